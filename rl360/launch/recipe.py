@@ -1,0 +1,185 @@
+"""Recipes: one TOML file decoded by msgspec into typed Structs with defaults and bounds.
+
+Unknown keys and out-of-range values fail with the key's dotted path; `--set a.b=c` overrides
+any field before decoding. Imports nothing heavy, so `rl360 --help` and checks stay fast.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Prob = Annotated[float, Meta(gt=0.0, le=1.0)]
+
+
+class _S(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RunSection(_S):
+    name: str = "rl360"
+    out_dir: str = "runs"
+    seed: NonNegInt = 0
+
+
+class RaySection(_S):
+    address: str = ""  # empty: use RAY_ADDRESS, else start a local Ray on 127.0.0.1
+    num_cpus: NonNegInt = 0  # local Ray only; 0 = all cores
+    dashboard: bool = True
+    namespace: str = "rl360"
+
+
+class ModelSection(_S):
+    path: str = "tiny"  # "tiny" | "smollm2" | an HF directory
+    chat_template: str = "auto"  # "auto" | "chatml_tools" | path to a .jinja file
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: Annotated[int, Meta(ge=16)] = 2048
+
+
+class EngineSection(_S):
+    backend: Literal["torch", "scripted", "vllm", "sglang"] = "torch"
+    replicas: PosInt = 1
+    num_cpus: NonNegFloat = 1.0
+    num_gpus: NonNegFloat = 0.0
+    max_batch_size: Annotated[int, Meta(ge=1, le=4096)] = 32
+    batch_wait_ms: Annotated[float, Meta(ge=0.0, le=1000.0)] = 2.0
+    threads: NonNegInt = 0
+    max_ongoing_requests: PosInt = 256
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ServeSection(_S):
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    app_name: str = "rl360"
+    server_replicas: PosInt = 1
+    session_shards: PosInt = 1
+    default_max_tokens: PosInt = 256
+    matcher: Literal["strict", "loose_tool_call"] = "loose_tool_call"
+    session_ttl_s: Annotated[float, Meta(gt=0.0)] = 3600.0
+
+
+class SamplingSection(_S):
+    temperature: NonNegFloat = 1.0
+    top_p: Prob = 1.0
+    top_k: NonNegInt = 0
+    max_tokens: PosInt = 256
+
+
+class EvalSection(_S):
+    tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
+    attempts: PosInt = 8
+    concurrency: PosInt = 16
+    limit: NonNegInt = 0  # 0 = all tasks
+    out: str = ""  # default: <run.out_dir>/<run.name>/eval.jsonl
+    sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
+
+
+class Recipe(_S):
+    run: RunSection = msgspec.field(default_factory=RunSection)
+    ray: RaySection = msgspec.field(default_factory=RaySection)
+    model: ModelSection = msgspec.field(default_factory=ModelSection)
+    engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    serve: ServeSection = msgspec.field(default_factory=ServeSection)
+    eval: EvalSection = msgspec.field(default_factory=EvalSection)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the key and what is allowed."""
+
+
+_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def _explain(exc: msgspec.ValidationError) -> str:
+    text = str(exc)
+    m = _PATH_RE.search(text)
+    path = ""
+    if m:
+        path = re.sub(r"\[(\d+)\]", r"[\1]", m.group(1))
+        text = text[: m.start()]
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return f"{key}: unknown key (check the spelling; see `rl360 recipe show` for all keys)"
+    allowed = _allowed(path)
+    return f"{path or '(top level)'}: {text[0].lower() + text[1:]}" + (
+        f" (allowed: {allowed})" if allowed else ""
+    )
+
+
+def _allowed(path: str) -> str:
+    """The bounds or choices the schema declares for a dotted path, as text."""
+    from msgspec import inspect as mi
+
+    info: Any = mi.type_info(Recipe)
+    for part in path.split(".") if path else []:
+        if not isinstance(info, mi.StructType):
+            return ""
+        field = next((f for f in info.fields if f.name == part), None)
+        if field is None:
+            return ""
+        info = field.type
+    if isinstance(info, mi.LiteralType):
+        return ", ".join(repr(v) for v in info.values)
+    if isinstance(info, mi.IntType | mi.FloatType):
+        lo = f"{info.ge} <= " if info.ge is not None else f"{info.gt} < " if info.gt is not None else ""
+        hi = f" <= {info.le}" if info.le is not None else f" < {info.lt}" if info.lt is not None else ""
+        kind = "an integer" if isinstance(info, mi.IntType) else "a number"
+        return f"{kind} {lo}x{hi}" if lo or hi else kind
+    return ""
+
+
+def parse_value(text: str) -> Any:
+    """A `--set` value: a TOML literal (1e-5, true, [1, 2], "x"), else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(f"--set {item!r}: expected KEY=VALUE, e.g. engine.replicas=2")
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise RecipeError(f"--set {key}: {p} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = parse_value(raw.strip())
+    return data
+
+
+def decode_recipe(data: dict[str, Any]) -> Recipe:
+    try:
+        return msgspec.convert(data, Recipe)
+    except msgspec.ValidationError as exc:
+        raise RecipeError(_explain(exc)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{p}: not valid TOML: {exc}") from None
+    return decode_recipe(apply_overrides(data, overrides or []))
+
+
+def recipe_to_toml_dict(recipe: Recipe) -> dict[str, Any]:
+    return msgspec.to_builtins(recipe)

@@ -1,0 +1,1 @@
+"""The model being trained: loading/saving, tokenizer + chat template, losses, trainers."""

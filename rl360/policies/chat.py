@@ -1,0 +1,165 @@
+"""Chat rendering and tool-call parsing over a HF tokenizer.
+
+The renderer is the only place that turns messages into token ids. The session ledger uses
+it for first prompts and for template deltas; it never re-encodes what the model generated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rl360.types import FunctionCall, Message, ToolCall, ToolSpec
+
+# tokens that end an assistant turn in common templates; the first one the tokenizer knows
+# is the template's end-of-turn, the others are alternate EOS ids (TITO case 5)
+_END_OF_TURN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_ALT_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+@dataclass
+class ParsedAssistant:
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    malformed_tool_calls: int = 0
+
+
+class ChatRenderer:
+    """Renders OpenAI-style messages with the tokenizer's chat template and parses replies."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        tool_call_open: str = "<tool_call>",
+        tool_call_close: str = "</tool_call>",
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; set one before serving chats")
+        self.tokenizer = tokenizer
+        self.tool_call_open = tool_call_open
+        self.tool_call_close = tool_call_close
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self._tool_re = re.compile(
+            re.escape(tool_call_open) + r"(.*?)" + re.escape(tool_call_close), re.DOTALL
+        )
+        vocab = tokenizer.get_vocab()
+        eot = next((t for t in _END_OF_TURN_CANDIDATES if t in vocab), None)
+        if eot is None:
+            eot = tokenizer.eos_token
+        if eot is None:
+            raise ValueError("cannot find the template's end-of-turn token in the tokenizer")
+        self.end_of_turn_id: int = vocab[eot]
+        alts = {vocab[t] for t in _ALT_EOS_CANDIDATES if t in vocab}
+        if tokenizer.eos_token_id is not None:
+            alts.add(tokenizer.eos_token_id)
+        alts.discard(self.end_of_turn_id)
+        self.alt_eos_ids: list[int] = sorted(alts)
+        self.special_ids: set[int] = set(tokenizer.all_special_ids) | {self.end_of_turn_id}
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return [self.end_of_turn_id, *self.alt_eos_ids]
+
+    # ------------------------------------------------------------------ rendering
+
+    def render(
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec] | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        text = self.render_text(messages, tools, add_generation_prompt)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_text(
+        self,
+        messages: list[Message],
+        tools: list[ToolSpec] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        msgs = [_message_for_template(m) for m in messages]
+        tool_dicts = [msgspec.to_builtins(t) for t in tools] if tools else None
+        return self.tokenizer.apply_chat_template(
+            msgs,
+            tools=tool_dicts,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ parsing
+
+    def parse_assistant(self, text: str) -> ParsedAssistant:
+        """Split generated text into content and tool calls. A malformed call (bad JSON, no
+        name) stays in the content as plain text and is counted."""
+        calls: list[ToolCall] = []
+        malformed = 0
+        kept: list[str] = []
+        pos = 0
+        for m in self._tool_re.finditer(text):
+            call = _parse_tool_call_json(m.group(1))
+            if call is None:
+                malformed += 1
+                continue  # left in place: the span is kept as content below
+            kept.append(text[pos : m.start()])
+            pos = m.end()
+            calls.append(call)
+        kept.append(text[pos:])
+        content = "".join(kept)
+        # an opening marker with no closing one is a malformed call too
+        unclosed = content.count(self.tool_call_open) - content.count(self.tool_call_close)
+        malformed += max(unclosed, 0)
+        if calls:
+            content = content.rstrip()
+        return ParsedAssistant(content=content, tool_calls=calls, malformed_tool_calls=malformed)
+
+
+def _parse_tool_call_json(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body.strip())
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except (json.JSONDecodeError, ValueError):
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(
+        id=f"call_{uuid.uuid4().hex[:16]}",
+        function=FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)),
+    )
+
+
+def _message_for_template(m: Message) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": m.role, "content": m.content if m.content is not None else ""}
+    if m.tool_calls:
+        d["tool_calls"] = [
+            {
+                "id": tc.id,
+                "type": tc.type,
+                "function": {"name": tc.function.name, "arguments": tc.function.arguments},
+            }
+            for tc in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        d["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        d["name"] = m.name
+    return d

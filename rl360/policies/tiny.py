@@ -1,0 +1,101 @@
+"""Tiny policies built from a config: a byte-level tokenizer with a ChatML tool-calling
+template and a small Llama-shaped causal LM. Nothing is downloaded; tests and the CPU demo
+use these, saved as ordinary HF directories so every loader path is the real one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rl360.policies.templates import CHATML_TOOLS
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# plain added tokens (not special): the tool-call markup is one token each, as in Qwen2.5
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+class TinyModelSpec(msgspec.Struct, forbid_unknown_fields=True):
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    vocab_size: int = 320
+    seed: int = 0
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte <-> printable-unicode table used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def build_tiny_tokenizer() -> Any:
+    """A byte-level tokenizer (one token per byte, no merges) with ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS,
+    )
+    fast.add_tokens(ADDED_TOKENS)
+    fast.chat_template = CHATML_TOOLS
+    return fast
+
+
+def build_tiny_model(spec: TinyModelSpec, tokenizer: Any) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tiny model vocab_size {spec.vocab_size} < tokenizer size {len(tokenizer)}")
+    cfg = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(cfg)
+    return model.float().eval()
+
+
+def save_tiny_policy(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write a tiny policy as a standard HF directory (safetensors + tokenizer + template)."""
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(spec, tokenizer)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "rl360_tiny.json").write_text(json.dumps(msgspec.to_builtins(spec)))
+    return out

@@ -1,0 +1,156 @@
+"""Builds and runs the Ray Serve app "rl360": engine replicas, session shards, the ingress.
+
+    handles = start_serving(recipe)       # inside a Ray session
+    handles.base_url                      # http://127.0.0.1:8000
+    await handles.publish_weights(v, state)
+    stop_serving(handles)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rl360.launch.recipe import Recipe
+
+
+@dataclass
+class ServingHandles:
+    app_name: str
+    base_url: str
+    namespace: str
+    shard_names: list[str]
+    publisher_name: str
+    shards: list[Any] = field(default_factory=list)
+    publisher: Any = None
+
+    def publish_weights(self, version: int, state: dict[str, Any]) -> bool:
+        """Put `state` in the object store once; every engine replica applies it between
+        batches. Returns False if `version` is not newer than the published one."""
+        import ray
+
+        ref = ray.put(state)
+        return ray.get(self.publisher.publish.remote(version, [ref]))
+
+    def weight_status(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.publisher.status.remote())
+
+
+def engine_config(recipe: Recipe) -> dict[str, Any]:
+    e, m = recipe.engine, recipe.model
+    return {
+        "model": m.path,
+        "dtype": m.dtype,
+        "max_batch_size": e.max_batch_size,
+        "batch_wait_ms": e.batch_wait_ms,
+        "max_model_len": m.max_model_len,
+        "threads": e.threads,
+        "seed": recipe.run.seed,
+        "options": dict(e.options),
+    }
+
+
+def session_config(recipe: Recipe) -> dict[str, Any]:
+    s = recipe.serve
+    return {
+        "model_name": recipe.run.name,
+        "default_max_tokens": s.default_max_tokens,
+        "max_model_len": recipe.model.max_model_len,
+        "matcher": s.matcher,
+        "session_ttl_s": s.session_ttl_s,
+    }
+
+
+def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from rl360.policies.loading import resolve_model_path
+    from rl360.serve.engine import EngineReplica, ServeEngineClient
+    from rl360.serve.routing import SessionAffinityRouter
+    from rl360.serve.session_server import SessionServer
+    from rl360.serve.session_shard import SessionShard
+    from rl360.serve.weights import WeightPublisher
+
+    s, e = recipe.serve, recipe.engine
+    ns = recipe.ray.namespace
+    resolve_model_path(recipe.model.path)  # build/convert once, before replicas race for it
+    prefix = f"{s.app_name}-sessions"
+    publisher_name = f"{s.app_name}-weights"
+    publisher = (
+        ray.remote(WeightPublisher)
+        .options(name=publisher_name, namespace=ns, num_cpus=0, get_if_exists=True)
+        .remote()
+    )
+    shard_cls = ray.remote(SessionShard)
+    shards = []
+    names = [f"{prefix}-{i}" for i in range(s.session_shards)]
+    for name in names:
+        shards.append(
+            shard_cls.options(name=name, namespace=ns, num_cpus=0, get_if_exists=True,
+                              max_concurrency=1000)
+            .remote(recipe.model.path, recipe.model.chat_template, session_config(recipe),
+                    ServeEngineClient(s.app_name))
+        )
+    ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
+    serve.start(http_options={"host": s.host, "port": s.port})
+    engine = serve.deployment(
+        EngineReplica,
+        name="engine",
+        num_replicas=e.replicas,
+        max_ongoing_requests=e.max_ongoing_requests,
+        ray_actor_options={"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
+        request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
+        health_check_period_s=5,
+    ).bind(e.backend, engine_config(recipe), (publisher_name, ns))
+    server = serve.deployment(
+        SessionServer,
+        name="session-server",
+        num_replicas=s.server_replicas,
+        max_ongoing_requests=1000,
+        ray_actor_options={"num_cpus": 0},
+    ).bind(names, ns, recipe.run.name, engine)
+    t0 = time.monotonic()
+    serve.run(server, name=s.app_name, route_prefix="/", blocking=False)
+    _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))
+    return ServingHandles(
+        app_name=s.app_name,
+        base_url=f"http://{s.host}:{s.port}",
+        namespace=ns,
+        shard_names=names,
+        publisher_name=publisher_name,
+        shards=shards,
+        publisher=publisher,
+    )
+
+
+def _wait_running(app_name: str, timeout_s: float) -> None:
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = serve.status().applications.get(app_name)
+        status = str(getattr(st, "status", "")) if st else ""
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED"):
+            raise RuntimeError(f"serve app {app_name!r} failed to deploy: {st.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"serve app {app_name!r} not running after {timeout_s:.0f}s: {status}")
+        time.sleep(0.5)
+
+
+def stop_serving(handles: ServingHandles) -> None:
+    import ray
+    from ray import serve
+
+    serve.delete(handles.app_name)
+    for h in [*handles.shards, handles.publisher]:
+        try:
+            ray.kill(h)
+        except Exception:  # already gone
+            pass

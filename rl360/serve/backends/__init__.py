@@ -1,0 +1,10 @@
+"""Engine backends behind one contract (see base.EngineBackend) and their factory."""
+
+from rl360.serve.backends.base import (
+    BACKENDS,
+    EngineBackend,
+    EngineConfig,
+    build_engine_backend,
+)
+
+__all__ = ["BACKENDS", "EngineBackend", "EngineConfig", "build_engine_backend"]

@@ -1,0 +1,79 @@
+"""The engine backend contract (DESIGN.md, "Engine backend") and the backend factory.
+
+Backends are plain Python objects; the Serve deployment in rl360.serve.engine wraps one per
+replica. Heavy imports (torch, vllm, sglang) happen inside the backend modules, which the
+factory imports only when that backend is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from rl360.types import Generation, SamplingParams
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """What a backend needs to start. `model` is an HF directory (or "tiny" for a tiny policy
+    built from a config in `model_dir`)."""
+
+    model: str
+    dtype: str = "float32"
+    max_batch_size: int = 32
+    batch_wait_ms: float = 2.0
+    max_model_len: int = 2048
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    seed: int = 0
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """Generation with per-token logprobs and versioned weights."""
+
+    @property
+    def version(self) -> int: ...
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation: ...
+
+    async def update_weights(self, version: int, state: Any) -> bool:
+        """Apply `state` (a name -> tensor mapping) as `version`, between batches. Returns
+        False (and logs why) when `version` is not newer than the current one."""
+        ...
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+# name -> "module:Class"; imported lazily so only the chosen backend's deps are needed
+BACKENDS: dict[str, str] = {
+    "torch": "rl360.serve.backends.torch_backend:TorchBackend",
+    "scripted": "rl360.serve.backends.scripted:ScriptedBackend",
+    "vllm": "rl360.serve.backends.vllm_backend:VLLMBackend",
+    "sglang": "rl360.serve.backends.sglang_backend:SGLangBackend",
+}
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def build_engine_backend(name: str, config: EngineConfig) -> EngineBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    module_name, _, cls_name = BACKENDS[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise BackendUnavailable(
+            f"engine backend {name!r} is not installed here ({exc.name} missing); "
+            f"install the rl360[{name}] extra on a machine that can run it"
+        ) from exc
+    return getattr(module, cls_name)(config)

@@ -1,0 +1,103 @@
+"""The engine Serve deployment: one backend per replica, behind the engine contract.
+
+Replicas are reached through a DeploymentHandle with `session_id` set, and the
+SessionAffinityRouter keeps a session on one replica. Weight updates go to every replica
+through `rl360.serve.app.broadcast_weights` (the parameter broadcaster builds on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from rl360.serve.backends import EngineConfig, build_engine_backend
+from rl360.types import Generation, SamplingParams
+
+log = logging.getLogger("rl360.engine")
+
+
+class EngineReplica:
+    """Serve wraps this class with `serve.deployment(...)` in rl360.serve.app."""
+
+    def __init__(
+        self,
+        backend: str,
+        config: dict[str, Any],
+        publisher: tuple[str, str] | None = None,
+    ) -> None:
+        import msgspec
+
+        self.backend_name = backend
+        self.backend = build_engine_backend(backend, msgspec.convert(config, EngineConfig))
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            self.replica_id = "local"
+        self._publisher_name = publisher  # (name, namespace) of the WeightPublisher actor
+        self._follow: asyncio.Task[None] | None = None
+        log.info("engine replica %s up (backend=%s)", self.replica_id, backend)
+
+    def _ensure_following(self) -> None:
+        if self._publisher_name is None or self._follow is not None:
+            return
+        import ray
+
+        from rl360.serve.weights import follow_weights
+
+        name, namespace = self._publisher_name
+        pub = ray.get_actor(name, namespace=namespace)
+        self._follow = asyncio.get_running_loop().create_task(
+            follow_weights(pub, self.backend, self.replica_id), name="rl360-engine-weight-sync"
+        )
+        self._follow.add_done_callback(self._on_follow_done)
+
+    def _on_follow_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("weight sync task died: %r", task.exception())
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        self._ensure_following()
+        return await self.backend.generate(prompt_ids, sampling)
+
+    async def update_weights(self, version: int, state: Any) -> bool:
+        return await self.backend.update_weights(version, state)
+
+    async def pause(self) -> None:
+        await self.backend.pause()
+
+    async def resume(self) -> None:
+        await self.backend.resume()
+
+    async def health(self) -> dict[str, Any]:
+        return {"replica": self.replica_id, "backend": self.backend_name, **self.backend.health()}
+
+    async def check_health(self) -> None:  # Serve's own health probe
+        self._ensure_following()
+        if self._follow is not None and self._follow.done() and not self._follow.cancelled():
+            raise RuntimeError(f"weight sync stopped: {self._follow.exception()!r}")
+        h = self.backend.health()
+        if not h.get("ok", True):
+            raise RuntimeError(f"engine unhealthy: {h.get('error')}")
+
+
+class ServeEngineClient:
+    """EngineClient over the engine deployment's handle (picklable: the handle is lazy)."""
+
+    def __init__(self, app_name: str, deployment: str = "engine") -> None:
+        self.app_name = app_name
+        self.deployment = deployment
+        self._handle: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"app_name": self.app_name, "deployment": self.deployment, "_handle": None}
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, route_key: str | None
+    ) -> Generation:
+        if self._handle is None:
+            self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
+        h = self._handle.options(session_id=route_key) if route_key else self._handle
+        return await h.generate.remote(prompt_ids, sampling)

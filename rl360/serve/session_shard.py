@@ -1,0 +1,105 @@
+"""SessionShard: a Ray actor hosting the SessionService for the sessions that hash to it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from typing import Any
+
+import msgspec
+
+from rl360.serve.ledger import LedgerError
+from rl360.serve.openai_types import ApiError, ChatCompletionRequest, CompletionRequest
+from rl360.serve.sessions import EngineClient, SessionConfig, SessionService
+
+log = logging.getLogger("rl360.sessions")
+
+
+def shard_for(session_id: str, num_shards: int) -> int:
+    return zlib.crc32(session_id.encode()) % num_shards
+
+
+class SessionShard:
+    def __init__(
+        self,
+        model: str,
+        chat_template: str,
+        config: dict[str, Any],
+        engine: EngineClient,
+    ) -> None:
+        from rl360.policies.chat import ChatRenderer
+        from rl360.policies.loading import load_tokenizer
+
+        cfg = msgspec.convert(config, SessionConfig)
+        renderer = ChatRenderer(load_tokenizer(model, chat_template), cfg.tool_call_open, cfg.tool_call_close)
+        self.svc = SessionService(renderer, engine, cfg)
+        self._reaper: asyncio.Task[None] | None = None
+        self._gauges: dict[str, Any] = {}
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="rl360-session-reaper")
+            self._reaper.add_done_callback(_log_failure)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(min(60.0, self.svc.config.session_ttl_s / 4))
+            n = self.svc.reap_idle()
+            if n:
+                log.info("closed %d idle sessions", n)
+            self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        from ray.util.metrics import Gauge
+
+        if not self._gauges:
+            self._gauges["open"] = Gauge("rl360_sessions_open", "open agent sessions on this shard")
+            self._gauges["events"] = Gauge(
+                "rl360_session_events", "session and ledger event counts", tag_keys=("event",)
+            )
+        stats = self.svc.stats()
+        self._gauges["open"].set(stats["open_sessions"])
+        for k, v in {**self.svc.events, **stats["ledger"]}.items():
+            self._gauges["events"].set(v, tags={"event": k})
+
+    async def open(
+        self, metadata: dict[str, Any], matcher: str | None, session_id: str
+    ) -> dict[str, str] | ApiError:
+        self._start_reaper()
+        try:
+            return self.svc.open(metadata, matcher, session_id)
+        except LedgerError as exc:
+            return ApiError(exc.status, exc.code, exc.message)
+
+    async def chat(
+        self, sid: str | None, token: str | None, req: ChatCompletionRequest
+    ) -> dict[str, Any] | ApiError:
+        self._start_reaper()
+        return await self.svc.chat(sid, token, req)
+
+    async def complete(
+        self, sid: str | None, token: str | None, req: CompletionRequest
+    ) -> dict[str, Any] | ApiError:
+        return await self.svc.complete(sid, token, req)
+
+    async def trajectory(self, sid: str, token: str | None) -> dict[str, Any] | ApiError:
+        try:
+            return self.svc.trajectory(sid, token)
+        except LedgerError as exc:
+            return ApiError(exc.status, exc.code, exc.message)
+
+    async def close(self, sid: str, token: str | None) -> dict[str, Any] | ApiError:
+        try:
+            return self.svc.close(sid, token)
+        except LedgerError as exc:
+            return ApiError(exc.status, exc.code, exc.message)
+
+    async def stats(self) -> dict[str, Any]:
+        self._publish_metrics()
+        return self.svc.stats()
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed: %r", task.get_name(), task.exception())

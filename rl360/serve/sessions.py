@@ -1,0 +1,306 @@
+"""Agent sessions: the OpenAI chat/completions logic over a token ledger per session.
+
+`SessionService` is plain Python (tested without Ray). In the running system each of K
+`SessionShard` Ray actors hosts one; a session lives on the shard its id hashes to, so every
+SessionServer replica (the HTTP ingress) reaches the same ledger, and RL360's own agent loop
+can call the shard directly and write the same ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from rl360.policies.chat import ChatRenderer
+from rl360.serve.ledger import LedgerError, PreparedTurn, SessionLedger
+from rl360.serve.openai_types import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_completion_body,
+    new_id,
+)
+from rl360.types import Generation, Message, SamplingParams
+
+log = logging.getLogger("rl360.sessions")
+
+
+class EngineClient(Protocol):
+    """How a session reaches an engine. `route_key` keeps a session on one replica."""
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, route_key: str | None
+    ) -> Generation: ...
+
+
+class LocalEngineClient:
+    """An in-process backend as an EngineClient (tests, benchmarks, single-process use)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, route_key: str | None
+    ) -> Generation:
+        return await self.backend.generate(prompt_ids, sampling)
+
+
+class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
+    model_name: str = "rl360-policy"
+    default_max_tokens: int = 256
+    max_model_len: int = 2048
+    matcher: str = "loose_tool_call"
+    session_ttl_s: float = 3600.0
+    tool_call_open: str = "<tool_call>"
+    tool_call_close: str = "</tool_call>"
+
+
+@dataclass
+class _Session:
+    token: str
+    ledger: SessionLedger
+    metadata: dict[str, Any]
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    malformed_tool_calls: int = 0
+    completions: int = 0
+
+
+class SessionService:
+    def __init__(self, renderer: ChatRenderer, engine: EngineClient, config: SessionConfig) -> None:
+        self.renderer = renderer
+        self.engine = engine
+        self.config = config
+        self.sessions: dict[str, _Session] = {}
+        self.events: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def open(self, metadata: dict[str, Any] | None = None, matcher: str | None = None,
+             session_id: str | None = None) -> dict[str, str]:
+        sid = session_id or uuid.uuid4().hex
+        try:
+            ledger = SessionLedger(sid, self.renderer, matcher or self.config.matcher)
+        except ValueError as exc:
+            raise LedgerError(422, "bad_matcher", str(exc)) from None
+        token = secrets.token_urlsafe(24)
+        self.sessions[sid] = _Session(token=token, ledger=ledger, metadata=dict(metadata or {}))
+        self.events["sessions_opened"] += 1
+        return {"id": sid, "token": token}
+
+    def _get(self, sid: str, token: str | None) -> _Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise LedgerError(404, "unknown_session", f"no open session {sid!r}")
+        if token is None or not secrets.compare_digest(token, s.token):
+            raise LedgerError(401, "unauthorized", "missing or wrong bearer token for this session")
+        s.last_used = time.monotonic()
+        return s
+
+    def trajectory(self, sid: str, token: str | None) -> dict[str, Any]:
+        s = self._get(sid, token)
+        traj = s.ledger.trajectory()
+        traj.counters["malformed_tool_calls"] = s.malformed_tool_calls
+        traj.task_id = s.metadata.get("task_id")
+        traj.group_id = s.metadata.get("group_id")
+        return msgspec.to_builtins(traj)
+
+    def close(self, sid: str, token: str | None) -> dict[str, Any]:
+        traj = self.trajectory(sid, token)
+        del self.sessions[sid]
+        self.events["sessions_closed"] += 1
+        return traj
+
+    def reap_idle(self) -> int:
+        cutoff = time.monotonic() - self.config.session_ttl_s
+        stale = [sid for sid, s in self.sessions.items() if s.last_used < cutoff]
+        for sid in stale:
+            del self.sessions[sid]
+        self.events["sessions_reaped"] += len(stale)
+        return len(stale)
+
+    def stats(self) -> dict[str, Any]:
+        ledger_events: Counter[str] = Counter()
+        for s in self.sessions.values():
+            ledger_events.update(s.ledger.counters)
+        return {"open_sessions": len(self.sessions), **self.events, "ledger": dict(ledger_events)}
+
+    # ------------------------------------------------------------------ chat
+
+    async def chat(
+        self, sid: str | None, token: str | None, req: ChatCompletionRequest
+    ) -> dict[str, Any] | ApiError:
+        try:
+            return await self._chat(sid, token, req)
+        except LedgerError as exc:
+            self.events[f"rejected_{exc.code}"] += 1
+            return ApiError(exc.status, exc.code, exc.message)
+
+    async def _chat(
+        self, sid: str | None, token: str | None, req: ChatCompletionRequest
+    ) -> dict[str, Any]:
+        _refuse_control_fields(req.input_ids, req.prompt_token_ids, req.n)
+        if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "auto", "none"):
+            raise LedgerError(400, "unsupported", "tool_choice must be 'auto' or 'none' here")
+        messages = [m.to_message() for m in req.messages]
+        if sid is None:  # sessionless call: an ephemeral ledger, nothing is kept
+            session = None
+            ledger = SessionLedger("ephemeral", self.renderer, self.config.matcher)
+        else:
+            session = self._get(sid, token)
+            ledger = session.ledger
+        prep = ledger.prepare(messages, req.tools)
+        sampling = self._sampling(
+            prep, req.temperature, req.top_p, req.top_k,
+            req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
+        )
+        gen = await self._generate(prep.prompt_ids, sampling, sid)
+        text = self.renderer.decode(_strip_stop_token(gen))
+        if gen.stop_string and gen.stop_string in text:
+            text = text[: text.index(gen.stop_string)]
+        if req.tool_choice == "none":
+            reply = Message(role="assistant", content=text)
+            malformed = 0
+        else:
+            parsed = self.renderer.parse_assistant(text)
+            reply = Message(role="assistant", content=parsed.content, tool_calls=parsed.tool_calls or None)
+            malformed = parsed.malformed_tool_calls
+        response_id = new_id("chatcmpl")
+        ledger.commit(prep, gen, reply, response_id)  # raises on a concurrent commit
+        if session is not None:
+            session.malformed_tool_calls += malformed
+            session.completions += 1
+        self.events["chat_completions"] += 1
+        self.events["malformed_tool_calls"] += malformed
+        finish = "tool_calls" if reply.tool_calls else gen.finish_reason
+        lps = None
+        if req.logprobs:
+            lps = [
+                {"token": self.renderer.decode([t]), "logprob": lp, "token_id": t}
+                for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
+            ]
+        extra = {
+            "policy_version": gen.policy_version,
+            "malformed_tool_calls": malformed,
+            "stop_kind": gen.stop_kind,
+        }
+        return chat_completion_body(
+            response_id, req.model or self.config.model_name, reply, finish,
+            len(prep.prompt_ids), len(gen.token_ids), extra, lps,
+        )
+
+    # ------------------------------------------------------------------ completions
+
+    async def complete(
+        self, sid: str | None, token: str | None, req: CompletionRequest
+    ) -> dict[str, Any] | ApiError:
+        try:
+            return await self._complete(sid, token, req)
+        except LedgerError as exc:
+            self.events[f"rejected_{exc.code}"] += 1
+            return ApiError(exc.status, exc.code, exc.message)
+
+    async def _complete(
+        self, sid: str | None, token: str | None, req: CompletionRequest
+    ) -> dict[str, Any]:
+        _refuse_control_fields(None, None, req.n)
+        ids = list(req.prompt) if isinstance(req.prompt, list) else self.renderer.encode(req.prompt)
+        if not ids:
+            raise LedgerError(400, "empty_prompt", "prompt must not be empty")
+        session = self._get(sid, token) if sid is not None else None
+        if session is not None:
+            led = session.ledger
+            if led.messages:
+                raise LedgerError(409, "mixed_apis", "this session already holds a chat; "
+                                  "use /v1/chat/completions or a new session")
+            if ids[: len(led.tokens)] != led.tokens:
+                raise LedgerError(409, "history_diverged", "in a session, each prompt must "
+                                  "extend the previous prompt plus its completion")
+        base = len(session.ledger.tokens) if session else 0
+        prep = PreparedTurn(
+            seq=session.ledger.seq if session else 0, base_len=base, base_messages=0,
+            segments=[(ids[base:], "prompt" if base == 0 else "delta")], prompt_ids=ids,
+            new_messages=[],
+        )
+        sampling = self._sampling(prep, req.temperature, req.top_p, req.top_k,
+                                  req.max_tokens or 16, req.stop, req.stop_token_ids, req.seed,
+                                  eos=False)
+        gen = await self._generate(ids, sampling, sid)
+        text = self.renderer.decode(gen.token_ids)
+        if gen.stop_string and gen.stop_string in text:
+            text = text[: text.index(gen.stop_string)]
+        response_id = new_id("cmpl")
+        if session is not None:
+            session.ledger.commit_completion(prep, gen)
+        choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": gen.finish_reason,
+                                  "logprobs": None}
+        if req.logprobs:
+            choice["logprobs"] = {
+                "tokens": [self.renderer.decode([t]) for t in gen.token_ids],
+                "token_logprobs": list(gen.logprobs),
+            }
+        return {
+            "id": response_id, "object": "text_completion", "created": int(time.time()),
+            "model": req.model or self.config.model_name, "choices": [choice],
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen.token_ids),
+                      "total_tokens": len(ids) + len(gen.token_ids)},
+            "rl360": {"policy_version": gen.policy_version},
+        }
+
+    # ------------------------------------------------------------------ shared
+
+    def _sampling(
+        self, prep: PreparedTurn, temperature: float | None, top_p: float | None,
+        top_k: int | None, max_tokens: int | None, stop: str | list[str] | None,
+        stop_token_ids: list[int] | None, seed: int | None, eos: bool = True,
+    ) -> SamplingParams:
+        room = self.config.max_model_len - len(prep.prompt_ids)
+        if room <= 0:
+            raise LedgerError(400, "context_length", f"the prompt has {len(prep.prompt_ids)} "
+                              f"tokens; this model's context is {self.config.max_model_len}")
+        want = max_tokens if max_tokens is not None else self.config.default_max_tokens
+        if want < 1:
+            raise LedgerError(422, "bad_max_tokens", "max_tokens must be >= 1")
+        t = 1.0 if temperature is None else temperature
+        p = 1.0 if top_p is None else top_p
+        if t < 0 or not 0 < p <= 1:
+            raise LedgerError(422, "bad_sampling", "temperature must be >= 0 and top_p in (0, 1]")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return SamplingParams(
+            temperature=t, top_p=p, top_k=top_k or 0, max_tokens=min(want, room),
+            stop=[s for s in stops if s], stop_token_ids=list(stop_token_ids or []), seed=seed,
+            eos_token_ids=self.renderer.eos_ids if eos else [],
+        )
+
+    async def _generate(self, ids: list[int], sampling: SamplingParams, sid: str | None) -> Generation:
+        try:
+            return await self.engine.generate(ids, sampling, sid)
+        except LedgerError:
+            raise
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            log.exception("engine call failed")
+            raise LedgerError(503, "engine_unavailable", f"engine call failed: {exc!r}") from None
+
+
+def _refuse_control_fields(input_ids: Any, prompt_token_ids: Any, n: int) -> None:
+    if input_ids is not None or prompt_token_ids is not None:
+        raise LedgerError(400, "client_token_ids", "input_ids / prompt_token_ids are not "
+                          "accepted: the session's ledger decides the prompt tokens")
+    if n != 1:
+        raise LedgerError(400, "unsupported", "n must be 1: open one session per sample")
+
+
+def _strip_stop_token(gen: Generation) -> list[int]:
+    """The reply text excludes the EOS / stop token that ended it (the ledger keeps it)."""
+    ids = gen.token_ids
+    return ids[:-1] if ids and gen.stop_kind in ("eos", "stop_token") else ids

@@ -1,0 +1,138 @@
+"""Wire types shared by every part of RL360 (msgspec Structs).
+
+These cross process and actor boundaries (Ray object refs, HTTP bodies, JSONL files), so they
+are plain data: no methods with side effects, no torch tensors. Keep them backwards compatible:
+add fields with defaults, never rename.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+# ----------------------------------------------------------------------------- chat messages
+
+
+class FunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str
+    arguments: str  # JSON text, as in the OpenAI API
+
+
+class ToolCall(msgspec.Struct, omit_defaults=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class Message(msgspec.Struct, omit_defaults=True):
+    """One chat message in OpenAI form. `content` is None only for an assistant message that
+    carries tool calls and no text."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionSpec(msgspec.Struct, omit_defaults=True):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolSpec(msgspec.Struct, omit_defaults=True):
+    function: FunctionSpec
+    type: str = "function"
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """Sampling settings understood by every engine backend."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k truncation
+    max_tokens: int = 256
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    seed: int | None = None
+    # ids that end generation in addition to stop_token_ids (the model's EOS ids); the
+    # session server fills this from the tokenizer so backends need not know the tokenizer
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Generation(msgspec.Struct):
+    """What an engine returns for one prompt: the sampled ids, the logprob of each sampled id
+    under the distribution it was sampled from, and the policy version of each token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int  # version at the end of generation
+    token_versions: list[int] = msgspec.field(default_factory=list)
+    # which stop ended generation: "eos", "stop_token", "stop_string", or "" for length/abort
+    stop_kind: str = ""
+    stop_string: str | None = None
+    # a weight update landed between tokens of this sequence (only when the engine is told
+    # it may swap mid-sequence; token_versions then shows where)
+    mixed_versions: bool = False
+
+
+# ----------------------------------------------------------------------------- tasks and rewards
+
+
+class Task(msgspec.Struct, omit_defaults=True):
+    """One problem to pose to the policy. `kind` selects the env; `data` is the env's own."""
+
+    id: str
+    prompt: str
+    kind: str = "code"
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Reward(msgspec.Struct, omit_defaults=True):
+    """A scalar reward with its named components (all reach the trajectory and the metrics)."""
+
+    value: float
+    components: dict[str, float] = msgspec.field(default_factory=dict)
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+EpisodeStatus = Literal["ok", "truncated", "timeout", "error", "infra_error"]
+
+Provenance = Literal["prompt", "delta", "junction", "generated", "client_assistant"]
+
+
+class Trajectory(msgspec.Struct, omit_defaults=True):
+    """The token ledger of one session, plus (once an episode is scored) its reward.
+
+    tokens, mask, logprobs, versions and provenance have equal length. mask is 1 exactly on
+    tokens the engine generated in this session; logprobs/versions are None elsewhere.
+    """
+
+    session_id: str
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float | None]
+    versions: list[int | None]
+    provenance: list[str]
+    messages: list[Message] = msgspec.field(default_factory=list)
+    turns: int = 0
+    truncated: bool = False
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+    rerender: dict[str, Any] = msgspec.field(default_factory=dict)
+    # filled by the env actor once the episode is verified
+    task_id: str | None = None
+    group_id: str | None = None
+    reward: Reward | None = None
+    status: EpisodeStatus = "ok"
+    error: str | None = None
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
