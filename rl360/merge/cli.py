@@ -1,0 +1,82 @@
+"""`rl360 merge merge.toml`: merge expert checkpoints as a recipe says.
+
+The project CLI mounts it with `add_parser(subparsers)` (it sets `func`, which takes the parsed
+namespace and returns the exit status); `main(argv)` runs it standalone. Bad input prints one
+line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rl360.merge.errors import MergeError
+
+DESCRIPTION = (
+    "Merge RL expert checkpoints of one base model (soup, greedy soup, task arithmetic, TIES, "
+    "DARE, RAM/RAM+, ULP-gate, Gram-soup, Model Stock, Iso-C/Iso-CTS), streaming tensor by tensor."
+)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", type=Path, help="merge recipe (TOML), e.g. examples/merge/merge.toml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key, e.g. --set method.density=0.3 (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--ray", action="store_true", default=None, help="merge shards as parallel Ray tasks"
+    )
+    p.add_argument("--out", help="output directory (overrides output.dir)")
+    p.add_argument(
+        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="output dtype"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register `merge` on the project CLI's subparsers."""
+    p = subparsers.add_parser("merge", help="merge expert checkpoints", description=DESCRIPTION)
+    _add_arguments(p)
+    p.set_defaults(func=run_args)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    from rl360.merge.recipe import load_recipe
+
+    overrides = list(args.overrides)
+    if args.out:
+        overrides.append(f"output.dir={json.dumps(args.out)}")
+    if args.dtype:
+        overrides.append(f"output.dtype={json.dumps(args.dtype)}")
+    if args.overwrite:
+        overrides.append("output.overwrite=true")
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        from rl360.merge.runner import run_recipe
+
+        summary = run_recipe(recipe, ray=args.ray, progress=False if args.no_progress else None)
+    except MergeError as e:
+        print(f"rl360 merge: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"rl360 merge: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("rl360 merge: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps(summary.to_dict()) if args.json else summary.text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rl360 merge", description=DESCRIPTION)
+    _add_arguments(parser)
+    return run_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
