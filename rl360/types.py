@@ -84,6 +84,7 @@ class Generation(msgspec.Struct):
     # a weight update landed between tokens of this sequence (only when the engine is told
     # it may swap mid-sequence; token_versions then shows where)
     mixed_versions: bool = False
+    engine_replica: str = ""  # filled by the Serve engine deployment
 
 
 # ----------------------------------------------------------------------------- tasks and rewards

@@ -60,7 +60,9 @@ class EngineReplica:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self._ensure_following()
-        return await self.backend.generate(prompt_ids, sampling)
+        gen = await self.backend.generate(prompt_ids, sampling)
+        gen.engine_replica = self.replica_id
+        return gen
 
     async def update_weights(self, version: int, state: Any) -> bool:
         return await self.backend.update_weights(version, state)

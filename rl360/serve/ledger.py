@@ -165,6 +165,7 @@ class SessionLedger:
             segments=segments,
             prompt_ids=self.tokens[: turn.prompt_len],
             new_messages=turn.request_messages[turn.base_messages :],
+            tools=self.tools,
         )
 
     def _prepare_append(self, new: list[Message], base_len: int, n_stored: int) -> PreparedTurn:
@@ -261,6 +262,8 @@ class SessionLedger:
             self.abandoned.append(
                 {"tokens": self.tokens[prep.base_len :], "messages": len(self.messages)}
             )
+        if prep.retry:  # the replaced turn (and nothing before it) leaves the chain
+            self.turns = [t for t in self.turns if t.base_len < prep.base_len]
         del self.tokens[prep.base_len :]
         del self.mask[prep.base_len :]
         del self.logprobs[prep.base_len :]
@@ -274,7 +277,7 @@ class SessionLedger:
         self._extend(gen.token_ids, 1, list(gen.logprobs), list(versions), "generated")
         self.messages += prep.new_messages
         self.messages.append(reply)
-        if not self.turns:
+        if not self.turns and prep.base_len == 0:
             self.tools = prep.tools
         stop_kind = gen.stop_kind
         if stop_kind == "eos" and gen.token_ids and gen.token_ids[-1] != self.renderer.end_of_turn_id:

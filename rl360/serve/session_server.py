@@ -69,6 +69,12 @@ def _bearer(request: Request) -> str | None:
     return auth[7:].strip() if auth.lower().startswith("bearer ") else None
 
 
+async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
+    for c in chunks:
+        yield b"data: " + msgspec.json.encode(c) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
 @serve.ingress(api)
 class SessionServer:
     def __init__(
@@ -185,9 +191,3 @@ class SessionServer:
         idx = shard_for(sid, len(self.shards)) if sid else random.randrange(len(self.shards))
         token = _bearer(request) if sid else None
         return self._respond(await self._call(idx, "complete", sid, token, req))
-
-
-async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
-    for c in chunks:
-        yield b"data: " + msgspec.json.encode(c) + b"\n\n"
-    yield b"data: [DONE]\n\n"

@@ -191,6 +191,7 @@ class SessionService:
             "policy_version": gen.policy_version,
             "malformed_tool_calls": malformed,
             "stop_kind": gen.stop_kind,
+            "engine_replica": gen.engine_replica,
         }
         return chat_completion_body(
             response_id, req.model or self.config.model_name, reply, finish,

@@ -1,0 +1,5 @@
+import sys
+
+from rl360.cli import main
+
+sys.exit(main())

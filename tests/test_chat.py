@@ -1,0 +1,35 @@
+"""Chat rendering and tool-call parsing."""
+
+from __future__ import annotations
+
+import json
+
+from rl360.types import Message
+
+
+def test_tool_call_parsing(renderer) -> None:  # type: ignore[no-untyped-def]
+    text = 'ok\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls -la"}}\n</tool_call>'
+    p = renderer.parse_assistant(text)
+    assert p.content == "ok" and p.malformed_tool_calls == 0
+    assert p.tool_calls[0].function.name == "bash"
+    assert json.loads(p.tool_calls[0].function.arguments) == {"cmd": "ls -la"}
+
+
+def test_malformed_and_unclosed_calls_are_counted_and_kept(renderer) -> None:  # type: ignore[no-untyped-def]
+    p = renderer.parse_assistant('<tool_call>{"name": 1}</tool_call> and <tool_call>{"name"')
+    assert p.tool_calls == [] and p.malformed_tool_calls == 2
+    assert p.content.startswith("<tool_call>")
+
+
+def test_assistant_tool_call_rerenders_as_generated(renderer) -> None:  # type: ignore[no-untyped-def]
+    text = 'hm\n<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'
+    p = renderer.parse_assistant(text)
+    msg = Message(role="assistant", content=p.content, tool_calls=p.tool_calls)
+    rendered = renderer.render_text([Message(role="user", content="u"), msg], None, False)
+    assert text + "<|im_end|>" in rendered
+
+
+def test_end_of_turn_and_alternate_eos(renderer) -> None:  # type: ignore[no-untyped-def]
+    tok = renderer.tokenizer
+    assert renderer.end_of_turn_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.convert_tokens_to_ids("<|endoftext|>") in renderer.alt_eos_ids

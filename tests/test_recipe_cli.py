@@ -1,0 +1,76 @@
+"""Recipes decode with clear errors; the CLI starts without heavy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl360.launch.recipe import RecipeError, apply_overrides, decode_recipe, load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes").glob("*.toml")), ids=lambda p: p.name)
+def test_every_recipe_decodes(path: Path) -> None:
+    load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("engine.replicas=0", "engine.replicas: expected `int` >= 1 (allowed: an integer 1 <= x)"),
+        ("engine.replica=2", "engine.replica: unknown key"),
+        ("eval.sampling.top_p=1.5", "eval.sampling.top_p"),
+        ("model.dtype='int4'", "allowed: 'bfloat16', 'float16', 'float32'"),
+        ("serve.port=70000", "allowed: an integer 1 <= x <= 65535"),
+    ],
+)
+def test_bad_values_name_the_key_and_range(override: str, expected: str) -> None:
+    with pytest.raises(RecipeError) as err:
+        decode_recipe(apply_overrides({}, [override]))
+    assert expected in str(err.value)
+
+
+def test_set_overrides_any_field(tmp_path: Path) -> None:
+    p = tmp_path / "r.toml"
+    p.write_text("[engine]\nreplicas = 1\n")
+    r = load_recipe(p, ["engine.replicas=3", "eval.sampling.temperature=0.5", "run.name=x y"])
+    assert r.engine.replicas == 3 and r.eval.sampling.temperature == 0.5 and r.run.name == "x y"
+    with pytest.raises(RecipeError, match="expected KEY=VALUE"):
+        load_recipe(p, ["engine.replicas"])
+
+
+def test_missing_or_broken_recipe_file(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\n")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(bad)
+
+
+def test_help_imports_neither_torch_nor_ray() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "from rl360.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    try: main(['--help'])\n"
+        "    except SystemExit: pass\n"
+        "print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_reports_recipe_errors_in_one_line(tmp_path: Path) -> None:
+    p = tmp_path / "r.toml"
+    p.write_text("[engine]\nreplicas = -1\n")
+    out = subprocess.run([sys.executable, "-m", "rl360", "recipe", "check", str(p)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "rl360: recipe error: engine.replicas: expected `int` >= 1 (allowed: an integer 1 <= x)"
+    ]
