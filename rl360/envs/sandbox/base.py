@@ -1,0 +1,205 @@
+"""The Sandbox contract: run commands and move files in an isolated place, with caps.
+
+A sandbox lives for one episode. `exec` runs a command (a shell string or an argv list) in the
+sandbox's work dir and returns an `ExecResult`; `write_file` / `read_file` move bytes; `close`
+kills every process the sandbox started and frees what it used. Paths are inside the sandbox:
+a relative path is relative to `Sandbox.workdir`.
+
+Backends register in `SANDBOXES`; `build_sandbox("auto", limits)` picks bwrap where bubblewrap
+works and the process fallback elsewhere.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (could not start, its helper died, an op broke): an
+    infrastructure failure, never the model's fault."""
+
+
+class SandboxStartError(SandboxError):
+    """The sandbox could not be started."""
+
+
+class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Caps for one sandbox. Memory covers every process of the sandbox together with the files
+    it keeps in its RAM-backed work dir and /tmp (where the backend stores them in RAM)."""
+
+    cpu_seconds: int = 30  # CPU time per exec'd process (RLIMIT_CPU)
+    memory_mb: int = 1024  # whole sandbox (cgroup) or per process (rlimit), see protections
+    max_procs: int = 64  # processes + threads of the sandbox at once
+    disk_mb: int = 256  # size of the writable work dir
+    tmp_mb: int = 64  # size of the private /tmp
+    output_bytes: int = 65536  # kept per stream per exec (head and tail); the rest is dropped
+    timeout: float = 30.0  # default wall-clock timeout of one exec, seconds
+    network: bool = False
+    cpus: float | None = None  # CPU bandwidth (cgroup cpu controller) where available
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "memory_mb", "max_procs", "disk_mb", "tmp_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+        if self.output_bytes < 0 or self.timeout <= 0:
+            raise ValueError("SandboxLimits.output_bytes must be >= 0 and timeout > 0")
+
+
+class ExecResult(msgspec.Struct, omit_defaults=True):
+    """What one exec produced. exit_code is the process's exit status, or -N when a signal N
+    killed it (a timeout kills with SIGKILL: -9 and timed_out=True)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    timed_out: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class Protections(msgspec.Struct):
+    """Which protections hold for one sandbox, as a value each ("" means missing)."""
+
+    network: str = ""  # how outgoing network is blocked
+    filesystem: str = ""  # how the host's files are hidden / kept read-only
+    procs: str = ""  # how the process count is capped
+    memory: str = ""  # how memory is capped
+    cpu: str = ""  # how CPU time is capped
+    disk: str = ""  # how the writable space is capped
+    cleanup: str = ""  # how every process is killed on close
+
+    def missing(self) -> list[str]:
+        return [f for f in self.__struct_fields__ if not getattr(self, f)]
+
+
+class Sandbox(abc.ABC):
+    """One isolated place to run an episode's commands. Use as an async context manager or
+    call `close()`; `start()` is called by the first operation if not called before."""
+
+    backend: ClassVar[str] = ""
+
+    def __init__(self, limits: SandboxLimits | None = None, workdir: str | None = None) -> None:
+        self.limits = limits or SandboxLimits()
+        self.workdir = workdir or "/sandbox"
+        self.protections = Protections()
+        self._started = False
+        self._closed = False
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start the sandbox; idempotent. Raises SandboxStartError."""
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        timeout: float | None = None,  # noqa: ASYNC109  (the Sandbox contract)
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        """Run `cmd` (a string runs under /bin/sh -c) and wait for it, at most `timeout` seconds
+        (default limits.timeout), killing its process group when time is up."""
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: str | bytes, mode: int | None = None) -> None:
+        """Write `data` to `path` (parents created). Raises FileNotFoundError/OSError-like
+        SandboxFileError for a path the sandbox refuses."""
+
+    @abc.abstractmethod
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """Read `path`; raises SandboxFileError when it is missing or unreadable."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Kill every process of the sandbox and free its resources; idempotent."""
+
+    async def host_pids(self) -> list[int]:
+        """Host pids of the sandbox's processes right now (diagnostics and tests)."""
+        return []
+
+    async def __aenter__(self) -> Sandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"{self.backend} sandbox is closed")
+
+
+class SandboxFileError(OSError):
+    """A file op inside the sandbox failed (missing file, no space, read-only path)."""
+
+
+# ----------------------------------------------------------------------------- factory
+
+SandboxFactory = Callable[..., Sandbox]
+SANDBOXES: dict[str, SandboxFactory] = {}
+AVAILABLE: dict[str, Callable[[], str | None]] = {}  # backend -> probe returning why not, or None
+
+
+def register_sandbox(
+    name: str, factory: SandboxFactory, unavailable: Callable[[], str | None]
+) -> None:
+    SANDBOXES[name] = factory
+    AVAILABLE[name] = unavailable
+
+
+def _load_backends() -> None:
+    if SANDBOXES:
+        return
+    from rl360.envs.sandbox import bwrap, docker, process  # noqa: F401  (they register)
+
+
+def unavailable_reason(backend: str) -> str | None:
+    """Why `backend` cannot run on this host, or None when it can."""
+    _load_backends()
+    if backend not in AVAILABLE:
+        raise ValueError(f"unknown sandbox backend {backend!r}; known: {sorted(SANDBOXES)}")
+    return AVAILABLE[backend]()
+
+
+def available_backends() -> list[str]:
+    _load_backends()
+    return [name for name in SANDBOXES if AVAILABLE[name]() is None]
+
+
+def resolve_backend(backend: str) -> str:
+    """ "auto" -> bwrap when bubblewrap works here, else process."""
+    if backend != "auto":
+        return backend
+    return "bwrap" if unavailable_reason("bwrap") is None else "process"
+
+
+def build_sandbox(
+    backend: str = "auto",
+    limits: SandboxLimits | None = None,
+    workdir: str | None = None,
+    **options: Any,
+) -> Sandbox:
+    """Build an (unstarted) sandbox. `workdir` is the writable directory where commands start:
+    a path inside the sandbox for bwrap/docker (default /sandbox), a host directory for the
+    process backend (default a fresh private temp dir). Backend options (e.g. scratch_dirs,
+    image) pass through."""
+    _load_backends()
+    name = resolve_backend(backend)
+    if name not in SANDBOXES:
+        raise ValueError(f"unknown sandbox backend {backend!r}; known: auto, {sorted(SANDBOXES)}")
+    why = AVAILABLE[name]()
+    if why is not None:
+        raise SandboxStartError(f"sandbox backend {name!r} is unavailable here: {why}")
+    return SANDBOXES[name](limits=limits or SandboxLimits(), workdir=workdir, **options)

@@ -1,0 +1,273 @@
+"""The bubblewrap sandbox (default on Linux).
+
+One bwrap per sandbox runs the exec server as uid 65534 with no capabilities, in fresh user,
+pid, ipc, uts, cgroup and (unless limits.network) network namespaces. It sees the system dirs and
+the interpreter's prefix read-only, a RAM-backed work dir and /tmp capped by size, and a
+read-only root. A per-sandbox cgroup caps process count and memory (RLIMIT_NPROC does not hold
+inside a user namespace); each exec'd process gets RLIMIT_CPU. Closing kills bwrap, whose pid
+namespace takes every sandbox process with it, then sweeps the cgroup until it is empty.
+
+When this host process is root, bwrap's uid 65534 maps to host root (bwrap maps the caller's
+uid), so the launcher first drops to host uid 65534 with setpriv whenever everything bound in is
+reachable by that uid; otherwise it stays root-mapped with no capabilities and only read-only
+binds of system paths (logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Sequence
+
+from rl360.envs.sandbox.base import SandboxLimits, register_sandbox
+from rl360.envs.sandbox.cgroups import SandboxCgroups
+from rl360.envs.sandbox.channel import SERVER_SOURCE
+from rl360.envs.sandbox.interp import reachable_by_others, resolve_python
+from rl360.envs.sandbox.served import ServedSandbox, warn_once
+
+log = logging.getLogger(__name__)
+
+SANDBOX_UID = 65534
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+ETC_FILES = (
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "hosts",
+    "host.conf",
+    "localtime",
+    "timezone",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "ssl/certs",
+    "ca-certificates",
+    "mime.types",
+    "os-release",
+    "protocols",
+    "services",
+    "gai.conf",
+    "bash.bashrc",
+    "profile",
+    "inputrc",
+)
+# /proc entries made read-only or hidden, as Docker does. bwrap covers some itself but skips
+# /proc/sys (it tests the directory, not its files), where a root-mapped sandbox could otherwise
+# write host-wide sysctls such as vm/drop_caches.
+PROC_READONLY = ("sys", "sysrq-trigger", "fs", "bus", "irq")
+PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms")
+FORBIDDEN_WORKDIRS = ("/", "/usr", "/etc", "/proc", "/dev", "/tmp", "/bin", "/lib", "/sys")
+# processes bwrap itself adds to the pids count: the outer monitor, the namespace init, the server
+BWRAP_OVERHEAD_PROCS = 3
+
+
+@functools.cache
+def bwrap_unavailable() -> str | None:
+    """None when bubblewrap can build our namespaces here, else why not."""
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
+    probe = [
+        exe,
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--size",
+        "1048576",
+        "--tmpfs",
+        "/tmp",
+        "--die-with-parent",
+        "--",
+        "/bin/true",
+    ]
+    try:
+        out = subprocess.run(probe, capture_output=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap failed to run: {e}"
+    if out.returncode != 0:
+        return f"bwrap cannot create namespaces here: {out.stderr.decode(errors='replace').strip()}"
+    return None
+
+
+def _system_binds() -> list[str]:
+    args: list[str] = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            args += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            args += ["--ro-bind", d, d]
+    for name in ETC_FILES:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    return args
+
+
+class BwrapSandbox(ServedSandbox):
+    backend = "bwrap"
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        workdir: str | None = None,
+        *,
+        scratch_dirs: Sequence[str] = (),
+        ro_binds: Sequence[str] = (),
+        python: str | None = None,
+    ) -> None:
+        super().__init__(limits, workdir)
+        for d in (self.workdir, *scratch_dirs):
+            if not os.path.isabs(d) or os.path.normpath(d) in FORBIDDEN_WORKDIRS:
+                raise ValueError(
+                    f"bwrap sandbox: {d!r} cannot be a writable dir (absolute, not a system dir)"
+                )
+        self.scratch_dirs = [os.path.normpath(d) for d in scratch_dirs]
+        self.ro_binds = [os.path.realpath(p) for p in ro_binds]
+        self.python = resolve_python(python)
+        self._cg: SandboxCgroups | None = None
+
+    def _binds(self) -> list[str]:
+        return [
+            p
+            for p in (self.python.prefix, *self.ro_binds)
+            if p != "/usr" and not p.startswith("/usr/")
+        ]
+
+    def _bwrap_argv(self, drop_uid: bool) -> list[str]:
+        lim = self.limits
+        mib = 1024 * 1024
+        args = [
+            shutil.which("bwrap") or "bwrap",
+            "--unshare-user",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--hostname",
+            "sandbox",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+        ]
+        if not lim.network:
+            args.append("--unshare-net")
+        args += _system_binds()
+        if lim.network:
+            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
+        for p in self._binds():
+            args += ["--ro-bind", p, p]
+        args += ["--dev", "/dev", "--proc", "/proc"]
+        for name in PROC_READONLY:
+            args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
+        for name in PROC_MASKED:
+            if os.path.exists(f"/proc/{name}"):
+                args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
+        args += ["--size", str(lim.tmp_mb * mib), "--tmpfs", "/tmp"]
+        args += ["--size", str(lim.tmp_mb * mib), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        for d in (self.workdir, *self.scratch_dirs):
+            args += ["--size", str(lim.disk_mb * mib), "--tmpfs", d]
+        args += ["--remount-ro", "/", "--chdir", self.workdir, "--clearenv"]
+        env = {
+            "PATH": f"{self.python.bin_dir}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": self.workdir,
+            "TMPDIR": "/tmp",
+            "LANG": "C.UTF-8",
+            "USER": "sandbox",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        for k, v in env.items():
+            args += ["--setenv", k, v]
+        config = {
+            "workdir": self.workdir,
+            "rlimits": {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0},
+        }
+        args += ["--", self.python.executable, "-I", "-S", "-c", SERVER_SOURCE, json.dumps(config)]
+        if drop_uid:
+            args = [
+                shutil.which("setpriv") or "setpriv",
+                f"--reuid={SANDBOX_UID}",
+                f"--regid={SANDBOX_UID}",
+                "--clear-groups",
+                *args,
+            ]
+        return args
+
+    async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
+        lim = self.limits
+        self._cg = SandboxCgroups.create(
+            self.sandbox_id,
+            max_procs=lim.max_procs + BWRAP_OVERHEAD_PROCS,
+            memory_mb=lim.memory_mb,
+            cpus=lim.cpus,
+        )
+        drop_uid = (
+            os.geteuid() == 0
+            and shutil.which("setpriv") is not None
+            and all(reachable_by_others(p) for p in self._binds())
+        )
+        argv = self._bwrap_argv(drop_uid)
+        if self._cg.procs_files:
+            joins = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cg.procs_files)
+            argv = ["/bin/sh", "-c", f'{joins} && exec "$@"', "rl360-sandbox", *argv]
+        self._set_protections(drop_uid)
+        return argv, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "/"
+
+    def _set_protections(self, drop_uid: bool) -> None:
+        lim, cg = self.limits, self._cg
+        assert cg is not None
+        p = self.protections
+        host_uid = SANDBOX_UID if drop_uid else os.geteuid()
+        p.network = "" if lim.network else "empty network namespace (bwrap --unshare-net)"
+        p.filesystem = (
+            f"only system dirs and the interpreter, read-only; uid {SANDBOX_UID} "
+            f"(host uid {host_uid}), no capabilities"
+        )
+        p.procs = cg.holds.get("pids", "")
+        p.memory = cg.holds.get("memory", "")
+        p.cpu = f"RLIMIT_CPU {lim.cpu_seconds}s per process" + (
+            f", {cg.holds['cpu']}" if "cpu" in cg.holds else ""
+        )
+        p.disk = (
+            f"tmpfs work dir {lim.disk_mb} MiB, /tmp and /dev/shm {lim.tmp_mb} MiB each, "
+            "read-only root and /dev"
+        )
+        p.cleanup = "pid namespace dies with bwrap" + (", cgroup swept empty" if cg.dirs else "")
+        for ctrl, why in cg.missing.items():
+            warn_once(f"bwrap sandbox: no {ctrl} cap ({why})")
+        if os.geteuid() == 0 and not drop_uid:
+            warn_once(
+                "bwrap sandbox: processes map to host root (no capabilities, read-only binds only) "
+                f"because {self._binds()} is not reachable by uid {SANDBOX_UID}"
+            )
+
+    async def _teardown(self) -> None:
+        cg, self._cg = self._cg, None
+        if cg is None:
+            return
+        if not await cg.kill_all():
+            log.error("%s: processes left in its cgroup after kill: %s", self.sandbox_id, cg.pids())
+        for err in cg.remove():
+            log.error("%s: %s", self.sandbox_id, err)
+
+    async def host_pids(self) -> list[int]:
+        return self._cg.pids() if self._cg is not None else []
+
+
+register_sandbox("bwrap", BwrapSandbox, bwrap_unavailable)

@@ -1,0 +1,147 @@
+"""Sandboxes that run one exec server (server.py) for their whole life: bwrap and process.
+
+Starting the sandbox pays the isolation cost once (namespaces, cgroups, interpreter start);
+each exec afterwards is one fork+exec inside it plus a pipe round trip.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import Sequence
+
+from rl360.envs.sandbox.base import (
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    SandboxLimits,
+    SandboxStartError,
+)
+from rl360.envs.sandbox.channel import ServerChannel, shell_argv
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 20.0
+_warned: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    """Log a missing protection at WARNING the first time, then at DEBUG."""
+    if msg in _warned:
+        log.debug(msg)
+        return
+    _warned.add(msg)
+    log.warning(msg)
+
+
+class ServedSandbox(Sandbox):
+    """A Sandbox whose ops go to an exec server started by `_launch`."""
+
+    def __init__(self, limits: SandboxLimits | None = None, workdir: str | None = None) -> None:
+        super().__init__(limits, workdir)
+        self.sandbox_id = f"rl360-{self.backend}-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+        self._proc: asyncio.subprocess.Process | None = None
+        self._chan: ServerChannel | None = None
+        self._start_lock = asyncio.Lock()
+        self.start_s = 0.0
+
+    @abc.abstractmethod
+    async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
+        """Set up host-side resources; return (argv, env, cwd) that start the exec server."""
+
+    @abc.abstractmethod
+    async def _teardown(self) -> None:
+        """Kill every remaining process and free host-side resources (after the server died)."""
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._check_open()
+        async with self._start_lock:
+            if self._started:
+                return
+            t0 = time.monotonic()
+            try:
+                argv, env, cwd = await self._prepare()
+                self._proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+                self._chan = ServerChannel(self._proc, self.sandbox_id)
+                await self._chan.wait_ready(START_TIMEOUT_S)
+            except (OSError, SandboxError, ValueError) as e:
+                await self._kill_and_teardown()
+                self._closed = True
+                if isinstance(e, SandboxStartError):
+                    raise
+                raise SandboxStartError(f"{self.backend} sandbox failed to start: {e}") from e
+            except BaseException:
+                await self._kill_and_teardown()
+                self._closed = True
+                raise
+            self.start_s = time.monotonic() - t0
+            self._started = True
+
+    def _channel(self) -> ServerChannel:
+        if self._chan is None:
+            raise SandboxError(f"{self.backend} sandbox is not started")
+        return self._chan
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        timeout: float | None = None,  # noqa: ASYNC109  (the Sandbox contract)
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        self._check_open()
+        await self.start()
+        t = float(timeout) if timeout is not None else self.limits.timeout
+        if t <= 0:
+            raise ValueError(f"exec timeout must be > 0, got {timeout}")
+        return await self._channel().exec(shell_argv(cmd), t, cwd, env, self.limits.output_bytes)
+
+    async def write_file(self, path: str, data: str | bytes, mode: int | None = None) -> None:
+        self._check_open()
+        await self.start()
+        blob = data.encode() if isinstance(data, str) else bytes(data)
+        await self._channel().write_file(path, blob, mode)
+
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        self._check_open()
+        await self.start()
+        return await self._channel().read_file(path, max_bytes)
+
+    async def close(self) -> None:
+        if self._closed and self._proc is None:
+            return
+        self._closed = True
+        await self._kill_and_teardown()
+
+    async def _kill_and_teardown(self) -> None:
+        if self._chan is not None:
+            await self._chan.close()
+            self._chan = None
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            try:
+                await asyncio.wait_for(proc.wait(), 5.0)
+            except TimeoutError:
+                log.error(
+                    "%s: launcher pid %d did not exit after SIGKILL", self.sandbox_id, proc.pid
+                )
+        await self._teardown()

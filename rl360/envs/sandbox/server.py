@@ -1,0 +1,299 @@
+"""The exec server that runs INSIDE a sandbox (bwrap or process backend).
+
+It is started once per sandbox as `python -I -S -c <this source> <config json>` and serves
+requests from the host over stdin/stdout, so an exec costs one fork+exec inside the sandbox
+instead of a new sandbox. Standard library only; it never imports rl360 (the package is not
+visible inside the sandbox). Single-threaded (a selector loop), so `preexec_fn` is safe.
+
+Frame (both directions): 4-byte big-endian header length, the JSON header, then the raw bytes
+of each blob whose lengths the header lists under "blobs".
+Requests: {"id", "op": "ping" | "exec" | "write" | "read", ...}.
+"""
+
+import json
+import os
+import resource
+import selectors
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+HDR = struct.Struct(">I")
+DRAIN_S = 0.05  # after the main process exits, how long to wait for pipes held by its children
+CHUNK = 65536
+
+
+class Capped:
+    """Keeps the first and last `cap // 2` bytes of a stream and counts the rest."""
+
+    def __init__(self, cap):
+        self.head_cap = cap // 2
+        self.tail_cap = cap - self.head_cap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, data):
+        self.total += len(data)
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data and self.tail_cap:
+            self.tail += data
+            if len(self.tail) > self.tail_cap:
+                del self.tail[: len(self.tail) - self.tail_cap]
+
+    def value(self):
+        kept = len(self.head) + len(self.tail)
+        if self.total <= kept:
+            return bytes(self.head + self.tail), False
+        note = b"\n...[%d bytes dropped]...\n" % (self.total - kept)
+        return bytes(self.head) + note + bytes(self.tail), True
+
+
+class Job:
+    def __init__(self, rid, proc, timeout, cap):
+        self.rid = rid
+        self.proc = proc
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout
+        self.out = Capped(cap)
+        self.err = Capped(cap)
+        self.fds = {}
+        self.timed_out = False
+        self.rc = None
+        self.exited_at = None
+
+
+class Server:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.workdir = cfg["workdir"]
+        self.rlimits = [(getattr(resource, k), int(v)) for k, v in cfg.get("rlimits", {}).items()]
+        self.oom_adj = cfg.get("oom_score_adj", 1000)
+        self.sel = selectors.DefaultSelector()
+        self.jobs = {}
+        self.inbuf = bytearray()
+        self.stdin = sys.stdin.buffer.fileno()
+        self.stdout = sys.stdout.buffer.fileno()
+        os.set_blocking(self.stdin, False)
+        self.sel.register(self.stdin, selectors.EVENT_READ, ("in", None))
+        rfd, wfd = os.pipe()
+        os.set_blocking(rfd, False)
+        os.set_blocking(wfd, False)
+        signal.set_wakeup_fd(wfd)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.sel.register(rfd, selectors.EVENT_READ, ("sig", None))
+        self.sigfd = rfd
+
+    # ------------------------------------------------------------------ wire
+    def send(self, header, blobs=()):
+        header["blobs"] = [len(b) for b in blobs]
+        head = json.dumps(header).encode()
+        data = b"".join([HDR.pack(len(head)), head, *blobs])
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.stdout, view)
+            except BlockingIOError:
+                time.sleep(0.001)
+                continue
+            view = view[n:]
+
+    def parse(self):
+        while len(self.inbuf) >= HDR.size:
+            (n,) = HDR.unpack_from(self.inbuf)
+            if len(self.inbuf) < HDR.size + n:
+                return
+            header = json.loads(bytes(self.inbuf[HDR.size : HDR.size + n]))
+            need = HDR.size + n + sum(header.get("blobs", []))
+            if len(self.inbuf) < need:
+                return
+            pos = HDR.size + n
+            blobs = []
+            for size in header.get("blobs", []):
+                blobs.append(bytes(self.inbuf[pos : pos + size]))
+                pos += size
+            del self.inbuf[:need]
+            self.handle(header, blobs)
+
+    # ------------------------------------------------------------------ ops
+    def path(self, p):
+        return p if os.path.isabs(p) else os.path.join(self.workdir, p)
+
+    def handle(self, req, blobs):
+        rid, op = req.get("id"), req.get("op")
+        try:
+            if op == "ping":
+                self.send({"id": rid, "ok": True, "pid": os.getpid()})
+            elif op == "exec":
+                self.start_exec(rid, req)
+            elif op == "write":
+                path = self.path(req["path"])
+                parent = os.path.dirname(path)
+                if parent:
+                    os.makedirs(parent, exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(blobs[0] if blobs else b"")
+                if req.get("mode") is not None:
+                    os.chmod(path, int(req["mode"]))
+                self.send({"id": rid, "ok": True})
+            elif op == "read":
+                limit = req.get("max")
+                with open(self.path(req["path"]), "rb") as f:
+                    data = f.read() if limit is None else f.read(int(limit))
+                self.send({"id": rid, "ok": True}, [data])
+            else:
+                self.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
+        except OSError as e:
+            self.send({"id": rid, "ok": False, "error": str(e), "errno": e.errno or 0})
+        except Exception as e:  # a bad request must not kill the server
+            self.send({"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"})
+
+    def child_setup(self):
+        for res, val in self.rlimits:
+            _, hard = resource.getrlimit(res)
+            want_hard = val + 1 if res == resource.RLIMIT_CPU else val
+            if hard != resource.RLIM_INFINITY:
+                want_hard = min(want_hard, hard)
+            resource.setrlimit(res, (min(val, want_hard), want_hard))
+        if self.oom_adj is not None:
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write(str(self.oom_adj))
+            except OSError:
+                pass
+
+    def start_exec(self, rid, req):
+        argv = req["argv"]
+        env = dict(os.environ)
+        env.update(req.get("env") or {})
+        cwd = self.path(req.get("cwd") or self.workdir)
+        cap = int(req.get("cap", 65536))
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self.child_setup,
+                close_fds=True,
+            )
+        except OSError as e:
+            code = 127 if isinstance(e, FileNotFoundError) else 126
+            msg = f"cannot run {argv[0]!r} (cwd {cwd}): {e}\n".encode()
+            self.send({"id": rid, "ok": True, "rc": code, "timed_out": False}, [b"", msg])
+            return
+        job = Job(rid, proc, float(req.get("timeout", 30.0)), cap)
+        for name, pipe in (("out", proc.stdout), ("err", proc.stderr)):
+            fd = pipe.fileno()
+            os.set_blocking(fd, False)
+            job.fds[fd] = (name, pipe)
+            self.sel.register(fd, selectors.EVENT_READ, ("job", job))
+        self.jobs[rid] = job
+
+    def read_fd(self, job, fd, final=False):
+        name, pipe = job.fds[fd]
+        sink = job.out if name == "out" else job.err
+        while True:
+            try:
+                data = os.read(fd, CHUNK)
+            except BlockingIOError:
+                if final:
+                    break
+                return
+            if not data:
+                break
+            sink.add(data)
+            if not final:
+                return
+        self.sel.unregister(fd)
+        pipe.close()
+        del job.fds[fd]
+
+    def kill_group(self, job):
+        for _ in range(3):
+            try:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                return
+
+    def finish(self, job):
+        for fd in list(job.fds):
+            self.read_fd(job, fd, final=True)
+        out, out_trunc = job.out.value()
+        err, err_trunc = job.err.value()
+        header = {
+            "id": job.rid,
+            "ok": True,
+            "rc": job.rc,
+            "timed_out": job.timed_out,
+            "out_trunc": out_trunc,
+            "err_trunc": err_trunc,
+            "wall": time.monotonic() - job.start,
+        }
+        del self.jobs[job.rid]
+        self.send(header, [out, err])
+
+    def tick(self):
+        now = time.monotonic()
+        for job in list(self.jobs.values()):
+            if job.rc is None:
+                rc = job.proc.poll()
+                if rc is not None:
+                    job.rc = rc
+                    job.exited_at = now
+                elif now >= job.deadline and not job.timed_out:
+                    job.timed_out = True
+                    self.kill_group(job)
+            if job.rc is not None and (not job.fds or now >= job.exited_at + DRAIN_S):
+                self.finish(job)
+
+    def next_timeout(self):
+        if not self.jobs:
+            return None
+        now = time.monotonic()
+        soonest = min(
+            (j.exited_at + DRAIN_S) if j.rc is not None else j.deadline for j in self.jobs.values()
+        )
+        return max(0.0, min(soonest - now, 0.5))
+
+    def shutdown(self):
+        for job in self.jobs.values():
+            self.kill_group(job)
+        sys.exit(0)
+
+    def run(self):
+        self.send({"id": 0, "ok": True, "ready": True, "pid": os.getpid()})
+        while True:
+            for key, _ in self.sel.select(self.next_timeout()):
+                kind, job = key.data
+                if kind == "in":
+                    data = b""
+                    try:
+                        data = os.read(self.stdin, 1 << 20)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        self.shutdown()
+                    self.inbuf += data
+                    self.parse()
+                elif kind == "sig":
+                    try:
+                        while os.read(self.sigfd, 512):
+                            pass
+                    except BlockingIOError:
+                        pass
+                elif key.fd in job.fds:
+                    self.read_fd(job, key.fd)
+            self.tick()
+
+
+if __name__ == "__main__":
+    Server(json.loads(sys.argv[1])).run()

@@ -1,0 +1,127 @@
+"""The Sandbox contract on every local backend: exec, files, caps on output, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rl360.envs.sandbox import (
+    SandboxError,
+    SandboxFileError,
+    SandboxLimits,
+    SandboxStartError,
+    build_sandbox,
+    resolve_backend,
+    unavailable_reason,
+)
+from rl360.envs.sandbox.interp import resolve_python
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_exec_shell_and_argv(backend, make_sandbox):
+    sb = make_sandbox(backend)
+    res = await sb.exec("echo out; echo err >&2; exit 3")
+    assert (res.stdout, res.stderr, res.exit_code, res.timed_out) == ("out\n", "err\n", 3, False)
+    assert not res.ok and res.wall_s > 0
+    res = await sb.exec(
+        ["python3", "-I", "-S", "-c", "import sys; print(sys.argv[1:])", "a b", "c"]
+    )
+    assert res.ok and res.stdout.strip() == "['a b', 'c']"
+    missing = await sb.exec(["no-such-program-xyz"])
+    assert missing.exit_code == 127 and "no-such-program-xyz" in missing.stderr
+
+
+async def test_cwd_env_and_files(backend, make_sandbox):
+    sb = make_sandbox(backend)
+    await sb.write_file("sub/dir/data.bin", b"\x00\x01binary\xff")
+    assert await sb.read_file("sub/dir/data.bin") == b"\x00\x01binary\xff"
+    assert await sb.read_file(f"{sb.workdir}/sub/dir/data.bin", max_bytes=3) == b"\x00\x01b"
+    await sb.write_file("run.sh", '#!/bin/sh\necho "$GREETING from $(pwd)"\n', mode=0o755)
+    res = await sb.exec("./run.sh", env={"GREETING": "hello"})
+    assert res.stdout.strip() == f"hello from {sb.workdir}"
+    res = await sb.exec("pwd", cwd="sub/dir")
+    assert res.stdout.strip() == os.path.join(sb.workdir, "sub/dir")
+    with pytest.raises(SandboxFileError):
+        await sb.read_file("does/not/exist")
+    res = await sb.exec("cat sub/dir/data.bin | wc -c")
+    assert res.stdout.strip() == "9"
+
+
+async def test_output_is_capped_head_and_tail(backend, make_sandbox):
+    sb = make_sandbox(backend, output_bytes=1000)
+    res = await sb.exec(
+        [
+            "python3",
+            "-I",
+            "-S",
+            "-c",
+            "print('BEGIN' + 'x' * 100000 + 'END'); import sys; sys.stderr.write('e' * 10)",
+        ]
+    )
+    assert res.stdout_truncated and not res.stderr_truncated
+    assert res.stdout.startswith("BEGIN") and res.stdout.rstrip().endswith("END")
+    assert "bytes dropped" in res.stdout and len(res.stdout) < 1100
+    assert res.stderr == "e" * 10
+
+
+async def test_concurrent_execs_in_one_sandbox(backend, make_sandbox):
+    sb = make_sandbox(backend)
+    results = await asyncio.gather(
+        *[
+            sb.exec(["python3", "-I", "-S", "-c", f"import time; time.sleep(0.2); print({i})"])
+            for i in range(4)
+        ]
+    )
+    assert [r.stdout.strip() for r in results] == ["0", "1", "2", "3"]
+
+
+async def test_background_child_does_not_hold_exec(backend, make_sandbox):
+    sb = make_sandbox(backend)
+    res = await sb.exec("sleep 20 & echo quick", timeout=10)
+    assert res.ok and res.stdout == "quick\n" and res.wall_s < 2
+
+
+async def test_interpreter_is_resolved_binary(backend, make_sandbox):
+    sb = make_sandbox(backend)
+    res = await sb.exec(
+        ["python3", "-I", "-S", "-c", "import sys, os; print(os.path.realpath(sys.executable))"]
+    )
+    assert res.stdout.strip() == resolve_python().executable
+    assert "shims" not in res.stdout
+
+
+async def test_closed_sandbox_refuses(backend, make_sandbox):
+    sb = make_sandbox(backend)
+    await sb.exec("true")
+    await sb.close()
+    await sb.close()  # idempotent
+    with pytest.raises(SandboxError):
+        await sb.exec("true")
+
+
+def test_factory_errors():
+    with pytest.raises(ValueError, match="unknown sandbox backend 'nope'"):
+        build_sandbox("nope")
+    with pytest.raises(ValueError, match="must be > 0"):
+        SandboxLimits(memory_mb=0)
+    expected = "bwrap" if unavailable_reason("bwrap") is None else "process"
+    assert resolve_backend("auto") == expected
+
+
+async def test_bwrap_start_failure_is_clear(bwrap_backend):
+    sb = build_sandbox(bwrap_backend, SandboxLimits(), ro_binds=["/no/such/dir/for/rl360"])
+    with pytest.raises(SandboxStartError, match="no/such/dir"):
+        await sb.start()
+    await sb.close()
+
+
+async def test_bwrap_scratch_dirs_and_workdir(bwrap_backend):
+    async with build_sandbox(bwrap_backend, SandboxLimits(), "/app", scratch_dirs=["/logs"]) as sb:
+        res = await sb.exec("pwd; mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt")
+        assert res.ok and res.stdout.strip() == "/app", res
+        assert await sb.read_file("/logs/verifier/reward.txt") == b"1\n"
+    with pytest.raises(ValueError, match="cannot be a writable dir"):
+        build_sandbox(bwrap_backend, SandboxLimits(), "/usr")
