@@ -82,7 +82,7 @@ async def run_tool_conversation(svc: SessionService) -> tuple[dict[str, str], li
 
 async def test_multi_turn_tool_conversation_rerenders_exactly(renderer) -> None:  # type: ignore[no-untyped-def]
     svc = make_service(renderer)
-    s, msgs = await run_tool_conversation(svc)
+    s, _msgs = await run_tool_conversation(svc)
     traj = svc.trajectory(s["id"], s["token"])
     check_invariants(traj)
     assert traj["rerender"] == {"match": True}
@@ -135,7 +135,7 @@ async def test_divergent_history_and_changed_tools_are_rejected_atomically(rende
     edited.append({"role": "user", "content": "thanks"})
     err = await svc.chat(s["id"], s["token"], req(edited))
     assert isinstance(err, ApiError) and err.code == "history_diverged" and "messages[1]" in err.message
-    other_tools = msgspec.convert({"messages": msgs + [{"role": "user", "content": "x"}],
+    other_tools = msgspec.convert({"messages": [*msgs, {"role": "user", "content": "x"}],
                                    "tools": []}, ChatCompletionRequest)
     err = await svc.chat(s["id"], s["token"], other_tools)
     assert isinstance(err, ApiError) and err.code == "tools_changed"
@@ -201,7 +201,7 @@ def _gen(ids: list[int], kind: str, stop_string: str | None = None) -> Generatio
 
 async def test_alternate_eos_is_kept_and_counted(renderer) -> None:  # type: ignore[no-untyped-def]
     alt = renderer.alt_eos_ids[0]
-    ids = renderer.encode("hi") + [alt]
+    ids = [*renderer.encode("hi"), alt]
     svc = SessionService(renderer, _FixedEngine([_gen(ids, "eos"), _gen(ids, "eos")]), SessionConfig())
     s = svc.open()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
@@ -218,7 +218,7 @@ async def test_alternate_eos_is_kept_and_counted(renderer) -> None:  # type: ign
 async def test_stop_string_gets_a_synthetic_end_of_turn(renderer) -> None:  # type: ignore[no-untyped-def]
     ids = renderer.encode("answer: 42 END")
     svc = SessionService(renderer, _FixedEngine([_gen(ids, "stop_string", "END"),
-                                                 _gen(renderer.encode("ok") + [renderer.end_of_turn_id], "eos")]),
+                                                 _gen([*renderer.encode("ok"), renderer.end_of_turn_id], "eos")]),
                          SessionConfig())
     s = svc.open()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "q"}]
