@@ -134,10 +134,10 @@ class ServedSandbox(Sandbox):
             self._chan = None
         proc, self._proc = self._proc, None
         if proc is not None:
+            # the launcher leads its own process group; no proc.kill(): Popen.send_signal polls
+            # first and may reap the child under asyncio's child watcher
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
             try:
                 await asyncio.wait_for(proc.wait(), 5.0)
             except TimeoutError:
