@@ -137,3 +137,29 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     status: EpisodeStatus = "ok"
     error: str | None = None
     timings: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+class TrainSample(msgspec.Struct, omit_defaults=True):
+    """One sequence for the trainer: a trajectory's tokens with its loss mask, the engine's
+    sampling logprobs (0.0 where mask is 0) and a scalar advantage broadcast over its tokens."""
+
+    tokens: list[int]
+    mask: list[int]
+    sampling_logprobs: list[float]
+    advantage: float
+    versions: list[int] = msgspec.field(default_factory=list)  # per token, -1 on prompt tokens
+    reward: float = 0.0
+    group_id: str = ""
+    task_id: str = ""
+
+
+class Batch(msgspec.Struct, omit_defaults=True):
+    """A global batch for one optimizer step. `policy_version` is the trainer's version when
+    the batch was cut; staleness of a token = policy_version - its version."""
+
+    samples: list[TrainSample]
+    step: int = 0
+    policy_version: int = 0
