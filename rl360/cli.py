@@ -45,12 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = rsub.add_parser("check", help="validate recipes (exit 2 on the first bad one)")
     q.add_argument("recipes", nargs="+")
 
-    try:
-        from rl360.merge import cli as merge_cli
-    except ImportError:
-        merge_cli = None
-    if merge_cli is not None:
-        merge_cli.add_parser(sub)
+    # subcommands owned by other modules register themselves (each sets `func`)
+    from rl360.launch import cli_ext
+    from rl360.merge import cli as merge_cli
+
+    merge_cli.add_parser(sub)
+    cli_ext.add_parsers(sub)
     return parser
 
 

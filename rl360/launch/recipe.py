@@ -84,6 +84,49 @@ class EvalSection(_S):
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
 
 
+class LossSection(_S):
+    name: Literal["ppo", "gspo", "reinforce"] = "ppo"
+    eps_low: NonNegFloat = 0.2
+    eps_high: NonNegFloat = 0.28
+    tis_cap: Annotated[float, Meta(ge=1.0)] = 2.0
+    kl_coef: NonNegFloat = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    reducer: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+
+
+class TrainerSection(_S):
+    backend: Literal["torch", "megatron"] = "torch"
+    workers: PosInt = 1  # data-parallel trainer ranks (torch backend)
+    num_cpus: NonNegFloat = 1.0
+    num_gpus: NonNegFloat = 0.0
+    lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-5
+    weight_decay: NonNegFloat = 0.0
+    grad_clip: NonNegFloat = 1.0
+    micro_batch_size: PosInt = 16
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "drgrpo"
+    loss: LossSection = msgspec.field(default_factory=LossSection)
+    # megatron backend (GPU clusters)
+    tensor_parallel: PosInt = 1
+    pipeline_parallel: PosInt = 1
+    context_parallel: PosInt = 1
+    expert_parallel: PosInt = 1
+
+
+class ClusterRole(_S):
+    nodes: NonNegInt = 0
+    gpus_per_node: NonNegInt = 0
+    cpus_per_node: NonNegInt = 0
+
+
+class ClusterSection(_S):
+    """Where roles run on a multi-node cluster (empty: everything on the local node)."""
+
+    service: ClusterRole = msgspec.field(default_factory=ClusterRole)
+    train: ClusterRole = msgspec.field(default_factory=ClusterRole)
+    rollout: ClusterRole = msgspec.field(default_factory=ClusterRole)
+
+
 class Recipe(_S):
     run: RunSection = msgspec.field(default_factory=RunSection)
     ray: RaySection = msgspec.field(default_factory=RaySection)
@@ -91,6 +134,8 @@ class Recipe(_S):
     engine: EngineSection = msgspec.field(default_factory=EngineSection)
     serve: ServeSection = msgspec.field(default_factory=ServeSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
+    trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
+    cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
 
 
 class RecipeError(ValueError):
