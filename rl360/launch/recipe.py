@@ -75,12 +75,30 @@ class SamplingSection(_S):
     max_tokens: PosInt = 256
 
 
+class EnvSection(_S):
+    sandbox: Literal["auto", "bwrap", "process", "docker"] = "auto"
+    actors: PosInt = 1  # env actors; each hosts several concurrent episodes
+    episodes_per_actor: PosInt = 32
+    num_cpus: NonNegFloat = 0.0
+    env: str = ""  # "" = by task kind (code, harbor); else a name or "package.module:Class"
+    agent_fn: str = ""  # "package.module:run": an agent function instead of the built-in loop
+    max_turns: PosInt = 8
+    call_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0
+    episode_timeout_s: Annotated[float, Meta(gt=0.0)] = 900.0
+    verify_timeout_s: Annotated[float, Meta(gt=0.0)] = 900.0
+    max_consecutive_tool_failures: PosInt = 3
+    memory_mb: PosInt = 512
+    cpu_seconds: PosInt = 30
+    max_procs: PosInt = 64
+
+
 class EvalSection(_S):
     tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
     attempts: PosInt = 8
     concurrency: PosInt = 16
     limit: NonNegInt = 0  # 0 = all tasks
     out: str = ""  # default: <run.out_dir>/<run.name>/eval.jsonl
+    band: tuple[Annotated[float, Meta(ge=0.0, le=1.0)], Annotated[float, Meta(ge=0.0, le=1.0)]] = (0.2, 0.8)
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
 
 
@@ -133,6 +151,7 @@ class Recipe(_S):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     engine: EngineSection = msgspec.field(default_factory=EngineSection)
     serve: ServeSection = msgspec.field(default_factory=ServeSection)
+    env: EnvSection = msgspec.field(default_factory=EnvSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
