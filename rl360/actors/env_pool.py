@@ -1,0 +1,158 @@
+"""Env actors: Ray actors that each host several concurrent episodes with their sandboxes.
+
+An episode opens a session on the session server, runs the agent (the built-in tool loop over
+an Env, or a user's agent function), verifies, closes the session and returns the Trajectory:
+the ledger's tokens, mask, logprobs and versions, the reward and its components, timings and a
+status. Calling `EnvActor.run.remote(...)` gives an ObjectRef[Trajectory]; the data stays in
+the object store until the trainer reads it. Infrastructure failures come back as
+`infra_error` with the reason, never as reward 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from rl360.types import Task, Trajectory
+
+log = logging.getLogger("rl360.env")
+
+
+def _infra(task: Task, group_id: str, reason: str, t0: float) -> Trajectory:
+    return Trajectory(session_id="", tokens=[], mask=[], logprobs=[], versions=[], provenance=[],
+                      task_id=task.id, group_id=group_id, status="infra_error", error=reason,
+                      timings={"episode_s": time.monotonic() - t0})
+
+
+class EnvActor:
+    def __init__(self, env_cfg: dict[str, Any], sampling: dict[str, Any], shard_names: list[str],
+                 namespace: str, base_url: str) -> None:
+        from rl360.envs.session_client import SessionDirectory
+        from rl360.launch.recipe import EnvSection
+
+        self.cfg = msgspec.convert(env_cfg, EnvSection)
+        self.sampling = dict(sampling)
+        self.sessions = SessionDirectory(shard_names, namespace)
+        self.base_url = base_url
+        self.running = 0
+
+    def _agent_config(self) -> Any:
+        from rl360.envs.agent import AgentConfig
+
+        c = self.cfg
+        return AgentConfig(max_turns=c.max_turns, call_timeout_s=c.call_timeout_s,
+                           episode_timeout_s=c.episode_timeout_s,
+                           verify_timeout_s=c.verify_timeout_s,
+                           max_consecutive_tool_failures=c.max_consecutive_tool_failures)
+
+    async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Trajectory:
+        from rl360.envs.agent import run_agent_fn, run_episode
+        from rl360.envs.api import TaskRefused, open_sandbox
+        from rl360.envs.registry import build_env, resolve
+        from rl360.envs.sandbox import SandboxLimits
+        from rl360.envs.session_client import ShardChatClient
+
+        t0 = time.monotonic()
+        self.running += 1
+        sid = uuid.uuid4().hex
+        try:
+            shard = self.sessions.shard(sid)
+            try:
+                opened = await shard.open.remote({"task_id": task.id, "group_id": group_id}, None, sid)
+            except Exception as exc:
+                return _infra(task, group_id, f"session server unreachable: {exc!r}", t0)
+            if not isinstance(opened, dict):
+                return _infra(task, group_id, f"could not open a session: {opened}", t0)
+            token = opened["token"]
+            limits = SandboxLimits(memory_mb=self.cfg.memory_mb, cpu_seconds=self.cfg.cpu_seconds,
+                                   max_procs=self.cfg.max_procs)
+            sandbox = None
+            env = None
+            try:
+                env = build_env(self.cfg.env or task.kind)
+                sandbox = open_sandbox(env, task, self.cfg.sandbox, limits)
+                if self.cfg.agent_fn:
+                    client = _openai_client(self.base_url, sid, token)
+                    result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
+                                                self._agent_config())
+                else:
+                    client = ShardChatClient(shard, sid, token, sampling or self.sampling)
+                    result = await run_episode(env, task, sandbox, client, self._agent_config())
+            except (TaskRefused, ValueError) as exc:
+                await _safe_close(shard, sid, token)
+                return _infra(task, group_id, str(exc), t0)
+            finally:
+                if sandbox is not None:
+                    await _quietly(sandbox.close())
+                if env is not None:
+                    await _quietly(env.close())
+            closed = await shard.close.remote(sid, token)
+            if not isinstance(closed, dict):
+                return _infra(task, group_id, f"could not read the session ledger: {closed}", t0)
+            traj = msgspec.convert(closed, Trajectory)
+            traj.reward = result.reward
+            traj.status = result.status
+            traj.error = None if result.status == "ok" else result.reason
+            traj.timings = {**result.timings, "episode_s": time.monotonic() - t0}
+            traj.counters = {**traj.counters, **result.counters}
+            traj.task_id, traj.group_id = task.id, group_id
+            return traj
+        finally:
+            self.running -= 1
+
+    async def load(self) -> int:
+        return self.running
+
+
+async def _quietly(coro: Any) -> None:
+    try:
+        await coro
+    except Exception as exc:  # cleanup must not turn a scored episode into a failure
+        log.warning("cleanup failed: %r", exc)
+
+
+async def _safe_close(shard: Any, sid: str, token: str) -> None:
+    try:
+        await shard.close.remote(sid, token)
+    except Exception as exc:
+        log.warning("closing session %s failed: %r", sid, exc)
+
+
+def _openai_client(base_url: str, sid: str, token: str) -> Any:
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{base_url}/sessions/{sid}/v1", api_key=token, max_retries=0)
+
+
+class EnvPool:
+    """Driver-side handle on N EnvActors; `submit` returns an ObjectRef[Trajectory]."""
+
+    def __init__(self, recipe: Any, serving: Any) -> None:
+        import ray
+
+        env = recipe.env
+        sampling = msgspec.to_builtins(recipe.eval.sampling)
+        cls = ray.remote(EnvActor)
+        self.actors = [
+            cls.options(name=f"rl360-env-{i}", namespace=recipe.ray.namespace,
+                        num_cpus=env.num_cpus, max_concurrency=env.episodes_per_actor,
+                        get_if_exists=True)
+            .remote(msgspec.to_builtins(env), sampling, serving.shard_names, serving.namespace,
+                    serving.base_url)
+            for i in range(env.actors)
+        ]
+        self._rr = itertools.cycle(range(len(self.actors)))
+
+    def submit(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Any:
+        return self.actors[next(self._rr)].run.remote(task, group_id, sampling)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)

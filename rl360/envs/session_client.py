@@ -1,0 +1,66 @@
+"""ChatClient implementations over the session server's ledger.
+
+RL360's own agent loop talks to the SessionShard actors directly (no HTTP hop); an agent
+function gets an OpenAI client pointed at the session's HTTP endpoint. Both write the same
+ledger, so the trajectory's tokens always come from the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from rl360.envs.agent import ChatTurn, InfraError
+from rl360.serve.openai_types import ApiError, ChatCompletionRequest, ChatMessageIn
+from rl360.serve.session_shard import shard_for
+from rl360.types import FunctionCall, Message, ToolCall, ToolSpec
+
+
+class SessionDirectory:
+    """The SessionShard actors of a running app; finds the shard hosting a session."""
+
+    def __init__(self, shard_names: list[str], namespace: str) -> None:
+        self.shard_names = list(shard_names)
+        self.namespace = namespace
+        self._handles: list[Any] | None = None
+
+    def shard(self, session_id: str) -> Any:
+        if self._handles is None:
+            import ray
+
+            self._handles = [ray.get_actor(n, namespace=self.namespace) for n in self.shard_names]
+        return self._handles[shard_for(session_id, len(self._handles))]
+
+
+class ShardChatClient:
+    """A ChatClient for one session, calling its shard actor."""
+
+    def __init__(self, shard: Any, session_id: str, token: str, sampling: dict[str, Any]) -> None:
+        self.shard = shard
+        self.session_id = session_id
+        self.token = token
+        self.sampling = dict(sampling)
+
+    async def chat(self, messages: list[Message], tools: list[ToolSpec]) -> ChatTurn:
+        req = ChatCompletionRequest(
+            messages=[msgspec.convert(msgspec.to_builtins(m), ChatMessageIn) for m in messages],
+            tools=list(tools) or None,
+            **self.sampling,
+        )
+        out = await self.shard.chat.remote(self.session_id, self.token, req)
+        if isinstance(out, ApiError) and out.code == "context_length":
+            # the conversation outgrew the context: the model's episode is cut, not broken
+            return ChatTurn(message=Message(role="assistant", content=""), finish_reason="length")
+        if isinstance(out, ApiError):
+            raise InfraError(f"session server answered {out.status} {out.code}: {out.message}")
+        choice = out["choices"][0]
+        msg = choice["message"]
+        calls = [
+            ToolCall(id=tc["id"], function=FunctionCall(tc["function"]["name"], tc["function"]["arguments"]))
+            for tc in msg.get("tool_calls") or []
+        ]
+        return ChatTurn(
+            message=Message(role="assistant", content=msg.get("content"), tool_calls=calls or None),
+            finish_reason=choice["finish_reason"],
+            malformed_tool_calls=int(out.get("rl360", {}).get("malformed_tool_calls", 0)),
+        )

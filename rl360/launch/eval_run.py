@@ -1,0 +1,177 @@
+"""`rl360 eval`: every task x n attempts on the current policy, through engines, sessions
+and env actors; a per-task table (mean reward, pass@1, pass@k), every trajectory as JSONL,
+and with --calibrate the per-task pass rates and a task list inside a pass-rate band."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rl360.launch.recipe import Recipe
+from rl360.types import Task, Trajectory
+
+
+def load_tasks(recipe: Recipe) -> list[Task]:
+    from rl360.envs.tasks import iter_tasks
+
+    tasks: list[Task] = []
+    for path in recipe.eval.tasks:
+        tasks.extend(iter_tasks(path))
+    if recipe.eval.limit:
+        tasks = tasks[: recipe.eval.limit]
+    return tasks
+
+
+def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], list[str]]:
+    """Tasks this host cannot run (e.g. a container image without Docker), refused up front."""
+    from rl360.envs.api import TaskRefused, choose_backend
+    from rl360.envs.registry import build_env
+    from rl360.envs.sandbox import SandboxLimits
+
+    ok, refused = [], []
+    for t in tasks:
+        try:
+            env = build_env(recipe.env.env or t.kind)
+            choose_backend(env.sandbox_spec(t, SandboxLimits()), recipe.env.sandbox, t)
+            ok.append(t)
+        except TaskRefused as exc:
+            refused.append(str(exc))
+    return ok, refused
+
+
+def passed(t: Trajectory) -> bool:
+    if t.reward is None:
+        return False
+    return bool(t.reward.components.get("all_pass", float(t.reward.value >= 1.0 - 1e-9)))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def summarize(trajs: list[Trajectory], k: int) -> dict[str, Any]:
+    by_task: dict[str, list[Trajectory]] = defaultdict(list)
+    for t in trajs:
+        by_task[t.task_id or "?"].append(t)
+    rows = []
+    for task_id, ts in sorted(by_task.items()):
+        scored = [t for t in ts if t.status != "infra_error" and t.reward is not None]
+        n, c = len(scored), sum(passed(t) for t in scored)
+        rows.append({
+            "task": task_id,
+            "n": n,
+            "infra_errors": len(ts) - n,
+            "mean_reward": sum(t.reward.value for t in scored) / n if n else float("nan"),  # type: ignore[union-attr]
+            "pass@1": c / n if n else float("nan"),
+            f"pass@{k}": pass_at_k(n, c, min(k, n)) if n else float("nan"),
+        })
+    valid = [r for r in rows if r["n"]]
+    overall = {
+        "tasks": len(rows),
+        "episodes": len(trajs),
+        "infra_errors": sum(r["infra_errors"] for r in rows),
+        "mean_reward": sum(r["mean_reward"] for r in valid) / len(valid) if valid else float("nan"),
+        "pass@1": sum(r["pass@1"] for r in valid) / len(valid) if valid else float("nan"),
+        f"pass@{k}": sum(r[f"pass@{k}"] for r in valid) / len(valid) if valid else float("nan"),
+    }
+    return {"rows": rows, "overall": overall}
+
+
+def format_table(summary: dict[str, Any], k: int) -> str:
+    head = f"{'task':<32} {'n':>3} {'infra':>5} {'reward':>7} {'pass@1':>7} {f'pass@{k}':>7}"
+    lines = [head, "-" * len(head)]
+    for r in summary["rows"]:
+        lines.append(f"{r['task'][:32]:<32} {r['n']:>3} {r['infra_errors']:>5} "
+                     f"{r['mean_reward']:>7.3f} {r['pass@1']:>7.3f} {r[f'pass@{k}']:>7.3f}")
+    o = summary["overall"]
+    lines.append("-" * len(head))
+    lines.append(f"{'overall (' + str(o['tasks']) + ' tasks)':<32} {o['episodes']:>3} "
+                 f"{o['infra_errors']:>5} {o['mean_reward']:>7.3f} {o['pass@1']:>7.3f} "
+                 f"{o[f'pass@{k}']:>7.3f}")
+    return "\n".join(lines)
+
+
+def collect(refs: list[Any], desc: str) -> list[Trajectory]:
+    """Wait for trajectory refs with a progress bar, in completion order."""
+    import ray
+    from tqdm import tqdm
+
+    out: list[Trajectory] = []
+    pending = list(refs)
+    with tqdm(total=len(refs), desc=desc, unit="ep", file=sys.stderr, dynamic_ncols=True) as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=min(len(pending), 16), timeout=1.0)
+            for t in ray.get(done):
+                out.append(t)
+            bar.update(len(done))
+            if out:
+                ok = [t for t in out if t.reward is not None]
+                if ok:
+                    bar.set_postfix(reward=f"{sum(t.reward.value for t in ok) / len(ok):.3f}")  # type: ignore[union-attr]
+    return out
+
+
+def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
+    from rl360.actors.env_pool import EnvPool
+    from rl360.launch.cluster import ray_session
+    from rl360.serve.app import start_serving, stop_serving
+
+    tasks, refused = refuse_unrunnable(recipe, load_tasks(recipe))
+    for why in refused:
+        print(f"rl360: skipping: {why}", file=sys.stderr)
+    if not tasks:
+        print("rl360: no runnable tasks", file=sys.stderr)
+        return 2
+    run_dir = Path(recipe.run.out_dir) / recipe.run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_path = Path(recipe.eval.out) if recipe.eval.out else run_dir / "eval.jsonl"
+    k = recipe.eval.attempts
+    r = recipe.ray
+    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:
+        if info["dashboard_url"]:
+            print(f"rl360: Ray dashboard at {info['dashboard_url']}", file=sys.stderr)
+        serving = start_serving(recipe)
+        pool = EnvPool(recipe, serving)
+        try:
+            t0 = time.monotonic()
+            refs = [pool.submit(t, group_id=f"{t.id}") for t in tasks for _ in range(k)]
+            trajs = collect(refs, f"eval {len(tasks)} tasks x {k}")
+            wall = time.monotonic() - t0
+        finally:
+            pool.shutdown()
+            stop_serving(serving)
+    with out_path.open("wb") as f:
+        for t in trajs:
+            f.write(msgspec.json.encode(t) + b"\n")
+    summary = summarize(trajs, k)
+    print(format_table(summary, k))
+    gen_tokens = sum(sum(t.mask) for t in trajs)
+    print(f"{len(trajs)} episodes in {wall:.1f}s ({len(trajs) / wall:.1f} ep/s, "
+          f"{gen_tokens / wall:.0f} generated tok/s); trajectories: {out_path}")
+    (run_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2))
+    if calibrate:
+        write_calibration(summary, tasks, recipe, run_dir)
+    return 0
+
+
+def write_calibration(summary: dict[str, Any], tasks: list[Task], recipe: Recipe, run_dir: Path) -> None:
+    lo, hi = recipe.eval.band
+    rates = {r["task"]: r["pass@1"] for r in summary["rows"]}
+    (run_dir / "calibration.json").write_text(json.dumps(
+        {"attempts": recipe.eval.attempts, "band": [lo, hi], "pass_rates": rates}, indent=2))
+    keep = [t for t in tasks if lo <= rates.get(t.id, -1.0) <= hi]
+    with (run_dir / "calibrated_tasks.jsonl").open("w") as f:
+        for t in keep:
+            f.write(json.dumps({"id": t.id, "pass_rate": rates[t.id]}) + "\n")
+    print(f"calibration: {len(keep)}/{len(tasks)} tasks with pass rate in [{lo}, {hi}] -> "
+          f"{run_dir / 'calibrated_tasks.jsonl'} (rates: {run_dir / 'calibration.json'})")
