@@ -56,7 +56,10 @@ class ShardChatClient:
         choice = out["choices"][0]
         msg = choice["message"]
         calls = [
-            ToolCall(id=tc["id"], function=FunctionCall(tc["function"]["name"], tc["function"]["arguments"]))
+            ToolCall(
+                id=tc["id"],
+                function=FunctionCall(tc["function"]["name"], tc["function"]["arguments"]),
+            )
             for tc in msg.get("tool_calls") or []
         ]
         return ChatTurn(

@@ -34,6 +34,12 @@ def shell_argv(cmd: str | Sequence[str]) -> list[str]:
     return argv
 
 
+def _file_error(op: str, path: str, header: dict[str, Any]) -> SandboxFileError:
+    err = SandboxFileError(f"{op} {path}: {header.get('error')}")
+    err.errno = header.get("errno") or None
+    return err
+
+
 class ServerChannel:
     """Request/response over the server's stdin/stdout; many requests may be in flight."""
 
@@ -157,12 +163,12 @@ class ServerChannel:
     async def write_file(self, path: str, data: bytes, mode: int | None) -> None:
         header, _ = await self.call({"op": "write", "path": path, "mode": mode}, [data], 120.0)
         if not header.get("ok"):
-            raise SandboxFileError(header.get("errno", 0), f"write {path}: {header.get('error')}")
+            raise _file_error("write", path, header)
 
     async def read_file(self, path: str, max_bytes: int | None) -> bytes:
         header, blobs = await self.call({"op": "read", "path": path, "max": max_bytes}, (), 120.0)
         if not header.get("ok"):
-            raise SandboxFileError(header.get("errno", 0), f"read {path}: {header.get('error')}")
+            raise _file_error("read", path, header)
         return blobs[0]
 
     async def close(self) -> None:

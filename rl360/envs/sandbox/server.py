@@ -149,7 +149,9 @@ class Server:
             else:
                 self.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
         except OSError as e:
-            self.send({"id": rid, "ok": False, "error": str(e), "errno": e.errno or 0})
+            self.send(
+                {"id": rid, "ok": False, "error": e.strerror or str(e), "errno": e.errno or 0}
+            )
         except Exception as e:  # a bad request must not kill the server
             self.send({"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"})
 

@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+python3 make_report.py > answer.txt

@@ -1,0 +1,258 @@
+"""The built-in tool-calling agent loop, and the agent-function form.
+
+Final-answer convention: the episode ends when the model sends an assistant message WITHOUT
+tool calls; that message is the final answer (`Env.final_answer`). A reply whose tool calls
+could not be parsed counts its malformed calls and, having no valid call, is the final answer
+too (the format penalty can grade it). Otherwise each tool call runs through `env.step` and its
+result goes back as a "tool" message.
+
+Statuses: ok (final answer), truncated (max turns, or the final answer hit the token limit),
+timeout (the episode's wall-clock budget ran out), error (the model's fault: too many
+consecutive failing tool calls) are all verified and scored. infra_error (the sandbox could not
+start, the chat client raised or hung, the env or its verifier crashed) carries no reward: it
+must never be scored as 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from rl360.envs.api import Env
+from rl360.envs.sandbox import Sandbox
+from rl360.envs.tools import clip
+from rl360.types import EpisodeStatus, Message, Reward, Task, ToolSpec
+
+
+class ChatTurn(msgspec.Struct, omit_defaults=True):
+    message: Message  # the assistant message (tool_calls parsed, when any)
+    finish_reason: str = "stop"  # "stop" | "length" | "tool_calls" | "abort"
+    malformed_tool_calls: int = 0  # tool calls in the reply that could not be parsed
+
+
+class ChatClient(Protocol):
+    """One chat turn of the policy. Implementations raise on infrastructure failure (engine
+    unreachable, server error); they never raise for what the model wrote."""
+
+    async def chat(self, messages: list[Message], tools: list[ToolSpec]) -> ChatTurn: ...
+
+
+class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    max_turns: int = 8
+    call_timeout_s: float = 300.0  # one chat call; exceeding it is an infra error
+    episode_timeout_s: float = 900.0  # the agent phase of an episode (setup to final answer)
+    verify_timeout_s: float = 900.0
+    max_consecutive_tool_failures: int = 3
+    max_tool_output_chars: int = 8000
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_consecutive_tool_failures < 1:
+            raise ValueError("AgentConfig.max_turns and max_consecutive_tool_failures must be >= 1")
+        if min(self.call_timeout_s, self.episode_timeout_s, self.verify_timeout_s) <= 0:
+            raise ValueError("AgentConfig timeouts must be > 0")
+
+
+class EpisodeResult(msgspec.Struct, omit_defaults=True):
+    status: EpisodeStatus
+    reward: Reward | None = None  # None exactly when status is infra_error (or unscored timeout)
+    reason: str = ""
+    messages: list[Message] = msgspec.field(default_factory=list)
+    turns: int = 0
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class InfraError(RuntimeError):
+    """Raise from a client, tool or verifier to mark a failure as the infrastructure's."""
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+async def run_episode(
+    env: Env,
+    task: Task,
+    sandbox: Sandbox,
+    client: ChatClient,
+    cfg: AgentConfig | None = None,
+) -> EpisodeResult:
+    """Drive `env` on `task` with `client` until a final answer, max turns, a timeout or too
+    many failing tool calls; then verify. The caller owns (and closes) `sandbox`."""
+    cfg = cfg or AgentConfig()
+    t0 = time.monotonic()
+    messages: list[Message] = []
+    counters = {"tool_calls": 0, "tool_failures": 0, "malformed_tool_calls": 0}
+    env.transcript, env.counters = messages, counters
+    timings: dict[str, float] = {}
+    turns = 0
+
+    def done(status: EpisodeStatus, reason: str, reward: Reward | None = None) -> EpisodeResult:
+        timings["total_s"] = time.monotonic() - t0
+        return EpisodeResult(status, reward, reason, messages, turns, dict(counters), dict(timings))
+
+    try:
+        await sandbox.start()
+        start = await asyncio.wait_for(env.setup(task, sandbox), cfg.call_timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except TimeoutError:
+        return done("infra_error", f"env setup exceeded {cfg.call_timeout_s:g}s")
+    except Exception as e:
+        return done("infra_error", f"setup failed: {_why(e)}")
+    timings["setup_s"] = time.monotonic() - t0
+    messages.extend(start.messages)
+    budget = min(cfg.episode_timeout_s, start.agent_timeout_s or math.inf)
+    deadline = time.monotonic() + budget
+    status: EpisodeStatus = "truncated"
+    reason = f"reached max_turns={cfg.max_turns}"
+    consecutive = 0
+
+    for _ in range(cfg.max_turns):
+        remaining = deadline - time.monotonic()
+        limit = min(cfg.call_timeout_s, remaining)
+        if remaining <= 0:
+            status, reason = "timeout", f"agent phase exceeded {budget:g}s"
+            break
+        try:
+            turn = await asyncio.wait_for(client.chat(list(messages), start.tools), limit)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            if limit < cfg.call_timeout_s:
+                status, reason = "timeout", f"agent phase exceeded {budget:g}s"
+                break
+            return done("infra_error", f"chat call exceeded {cfg.call_timeout_s:g}s")
+        except Exception as e:
+            return done("infra_error", f"chat client failed: {_why(e)}")
+        turns += 1
+        msg = turn.message
+        messages.append(msg)
+        counters["malformed_tool_calls"] += turn.malformed_tool_calls
+        consecutive += turn.malformed_tool_calls
+        if not msg.tool_calls:
+            if turn.finish_reason == "length":
+                status, reason = "truncated", "final answer cut at the token limit"
+            else:
+                status, reason = "ok", "final answer"
+            break
+        timed_out = False
+        for call in msg.tool_calls:
+            counters["tool_calls"] += 1
+            try:
+                result = await asyncio.wait_for(
+                    env.step(call), max(0.0, deadline - time.monotonic())
+                )
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError:
+                timed_out = True
+                break
+            except Exception as e:
+                return done("infra_error", f"tool {call.function.name!r} failed: {_why(e)}")
+            content = clip(result.content, cfg.max_tool_output_chars)
+            messages.append(
+                Message(role="tool", content=content, tool_call_id=call.id, name=call.function.name)
+            )
+            if result.ok:
+                consecutive = 0
+            else:
+                consecutive += 1
+                counters["tool_failures"] += 1
+        if timed_out:
+            status, reason = "timeout", f"agent phase exceeded {budget:g}s"
+            break
+        if consecutive >= cfg.max_consecutive_tool_failures:
+            status, reason = "error", f"{consecutive} consecutive failing tool calls"
+            break
+    timings["rollout_s"] = time.monotonic() - t0 - timings["setup_s"]
+
+    verify_limit = min(cfg.verify_timeout_s, start.verify_timeout_s or math.inf)
+    t1 = time.monotonic()
+    try:
+        reward = await asyncio.wait_for(env.verify(), verify_limit + 5.0)
+    except asyncio.CancelledError:
+        raise
+    except TimeoutError:
+        return done("infra_error", f"verifier exceeded {verify_limit:g}s")
+    except Exception as e:
+        return done("infra_error", f"verifier failed: {_why(e)}")
+    timings["verify_s"] = time.monotonic() - t1
+    return done(status, reason, reward)
+
+
+# ----------------------------------------------------------------------------- agent functions
+
+AgentFn = Callable[[Task, Any, Sandbox], Awaitable[Reward]]
+
+
+async def run_agent_fn(
+    fn: AgentFn, task: Task, client: Any, sandbox: Sandbox, cfg: AgentConfig | None = None
+) -> EpisodeResult:
+    """Run a user's `async run(task, client, sandbox) -> Reward` (any OpenAI-compatible agent;
+    its tokens come from the session server's ledger). A timeout is unscored (reward None); an
+    exception from the agent function or its client is an infra_error."""
+    cfg = cfg or AgentConfig()
+    t0 = time.monotonic()
+    try:
+        await sandbox.start()
+    except Exception as e:
+        return EpisodeResult("infra_error", reason=f"sandbox failed to start: {_why(e)}")
+    try:
+        reward = await asyncio.wait_for(fn(task, client, sandbox), cfg.episode_timeout_s)
+    except asyncio.CancelledError:
+        raise
+    except TimeoutError:
+        return EpisodeResult(
+            "timeout",
+            reason=f"agent function exceeded {cfg.episode_timeout_s:g}s",
+            timings={"total_s": time.monotonic() - t0},
+        )
+    except Exception as e:
+        return EpisodeResult(
+            "infra_error",
+            reason=f"agent function failed: {_why(e)}",
+            timings={"total_s": time.monotonic() - t0},
+        )
+    if not isinstance(reward, Reward):
+        return EpisodeResult(
+            "infra_error", reason=f"agent function returned {type(reward).__name__}, not a Reward"
+        )
+    return EpisodeResult(
+        "ok", reward, "agent function returned", timings={"total_s": time.monotonic() - t0}
+    )
+
+
+# ----------------------------------------------------------------------------- test double
+
+
+class ScriptedClient:
+    """A ChatClient that replays canned replies: each item is a Message (an assistant reply), a
+    ChatTurn, an Exception (raised), or a callable (messages, tools) -> one of those. Records
+    the messages of every call in `calls`."""
+
+    def __init__(self, script: Sequence[Any], delay_s: float = 0.0) -> None:
+        self.script = list(script)
+        self.calls: list[list[Message]] = []
+        self.delay_s = delay_s
+
+    async def chat(self, messages: list[Message], tools: list[ToolSpec]) -> ChatTurn:
+        self.calls.append(list(messages))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if not self.script:
+            raise InfraError("scripted client ran out of replies")
+        item = self.script.pop(0)
+        if callable(item) and not isinstance(item, Message | ChatTurn):
+            item = item(messages, tools)
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item, Message):
+            finish = "tool_calls" if item.tool_calls else "stop"
+            return ChatTurn(message=item, finish_reason=finish)
+        return item

@@ -1,0 +1,200 @@
+"""CodeEnv: function-level Python tasks, single-turn or with tools.
+
+The model's final answer holds the code: the last ```python block (or the last untagged block,
+or an unterminated one), else the bare text when it looks like Python. The tests (assert lines,
+or one test-code string) run in the sandbox, each on its own with a per-test time limit, in one
+interpreter start. Reward: the configured reward function (default the fraction of tests
+passed), with components tests_passed, all_pass and format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Any
+
+from rl360.envs.api import Env, EnvStart, ToolResult
+from rl360.envs.sandbox import Sandbox
+from rl360.envs.tools import ToolBox
+from rl360.rewards import RewardContext, build_reward
+from rl360.types import Message, Reward, Task, ToolCall
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
+_THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.S)
+_LOOKS_LIKE_PY = re.compile(r"^\s*(def|class|import|from|return|lambda|print|async def)\b", re.M)
+
+# Runs inside the sandbox (stdlib only). Reads its spec file, deletes it, loads the solution,
+# then runs each test in a copy of the solution's namespace; reports "<nonce> <i> <0|1>" per
+# test on a dup of stdout taken before any user code ran.
+RUNNER = r"""
+import json, os, signal, sys
+def _main():
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    os.unlink(sys.argv[1])
+    nonce, per = spec["nonce"], spec["per_test_timeout"]
+    out = os.fdopen(os.dup(1), "w")
+    def _alarm(*_):
+        raise TimeoutError("test exceeded %ss" % per)
+    signal.signal(signal.SIGALRM, _alarm)
+    ns = {"__name__": "solution"}
+    try:
+        signal.setitimer(signal.ITIMER_REAL, per)
+        exec(compile(spec["solution"], "solution.py", "exec"), ns)
+        loaded = True
+    except BaseException as e:
+        loaded = False
+        out.write("%s load %s: %s\n" % (nonce, type(e).__name__, str(e)[:200]))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    for i, test in enumerate(spec["tests"]):
+        ok, why = False, "not loaded"
+        if loaded:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, per)
+                exec(compile(test, "test_%d" % i, "exec"), dict(ns))
+                ok, why = True, ""
+            except BaseException as e:
+                why = "%s: %s" % (type(e).__name__, str(e)[:200])
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        out.write("%s %d %d %s\n" % (nonce, i, int(ok), why.replace("\n", " ")))
+        out.flush()
+_main()
+"""
+
+
+def extract_code(text: str | None) -> str | None:
+    """The code in a model's answer, or None when there is none."""
+    if not text:
+        return None
+    text = _THINK.sub("", text)
+    blocks = _FENCE.findall(text)
+    if blocks:
+        py = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+        plain = [body for lang, body in blocks if not lang]
+        chosen = (py or plain or [blocks[-1][1]])[-1]
+        return chosen.strip("\n") or None
+    if _LOOKS_LIKE_PY.search(text):
+        return text.strip("\n")
+    return None
+
+
+def test_units(task: Task) -> list[str]:
+    """The task's tests as separately-run code units."""
+    tests = task.data.get("tests")
+    if isinstance(tests, list):
+        return [str(t) for t in tests]
+    if isinstance(tests, str) and tests.strip():
+        entry = task.data.get("entry_point")
+        if entry and re.search(r"^def check\(", tests, re.M):
+            return [f"{tests}\ncheck({entry})"]
+        return [tests]
+    raise ValueError(f"code task {task.id!r} has no tests")
+
+
+class CodeEnv(Env):
+    """Function-level Python tasks. `tools=True` gives the model the built-in tools and a
+    multi-turn episode; the final answer still carries the code."""
+
+    def __init__(
+        self,
+        tools: bool = False,
+        system_prompt: str | None = None,
+        reward: str = "tests_passed",
+        reward_params: dict[str, Any] | None = None,
+        per_test_timeout_s: float = 2.0,
+        python_flags: tuple[str, ...] = ("-I", "-S"),
+    ) -> None:
+        self.use_tools = tools
+        self.system_prompt = system_prompt
+        self.reward_fn = build_reward(reward, **(reward_params or {}))
+        self.per_test_timeout_s = per_test_timeout_s
+        self.python_flags = list(python_flags)
+        self.task: Task | None = None
+        self.sandbox: Sandbox | None = None
+        self.toolbox: ToolBox | None = None
+
+    async def setup(self, task: Task, sandbox: Sandbox) -> EnvStart:
+        test_units(task)  # fail early on a task without tests
+        self.task, self.sandbox = task, sandbox
+        messages = (
+            [Message(role="system", content=self.system_prompt)] if self.system_prompt else []
+        )
+        messages.append(Message(role="user", content=task.prompt))
+        if not self.use_tools:
+            return EnvStart(messages=messages)
+        self.toolbox = ToolBox(sandbox)
+        return EnvStart(messages=messages, tools=self.toolbox.specs)
+
+    async def step(self, tool_call: ToolCall) -> ToolResult:
+        if self.toolbox is None:
+            return await super().step(tool_call)
+        return await self.toolbox.call(tool_call)
+
+    async def run_tests(self, code: str) -> tuple[int, int, list[str]]:
+        """(passed, total, per-test notes) for `code` against the task's tests."""
+        assert self.task is not None and self.sandbox is not None, "setup() first"
+        units = test_units(self.task)
+        nonce = secrets.token_hex(8)
+        spec = {
+            "nonce": nonce,
+            "per_test_timeout": self.per_test_timeout_s,
+            "solution": code,
+            "tests": units,
+        }
+        spec_path = f".rl360-verify-{nonce}.json"
+        await self.sandbox.write_file(spec_path, json.dumps(spec))
+        limit = self.per_test_timeout_s * (len(units) + 1) + 5.0
+        res = await self.sandbox.exec(
+            ["python3", *self.python_flags, "-c", RUNNER, spec_path], timeout=limit
+        )
+        passed, notes = 0, []
+        seen: set[int] = set()
+        for line in res.stdout.splitlines():
+            parts = line.split(" ", 3)
+            if len(parts) < 3 or parts[0] != nonce or not parts[1].isdigit():
+                continue
+            i = int(parts[1])
+            if i in seen or i >= len(units):
+                continue
+            seen.add(i)
+            passed += parts[2] == "1"
+            notes.append(line[len(nonce) + 1 :])
+        if res.timed_out:
+            notes.append(f"timed out after {limit:g}s")
+        return passed, len(units), notes
+
+    async def grade(self, answer: str | None) -> Reward:
+        """Grade one answer text (what verify does with the final answer)."""
+        assert self.task is not None, "setup() first"
+        code = extract_code(answer)
+        total = len(test_units(self.task))
+        passed, notes = 0, ["no code found in the answer"]
+        if code is not None:
+            passed, total, notes = await self.run_tests(code)
+        ctx = RewardContext(
+            answer=answer,
+            reference=self.task.data.get("answer"),
+            tests_passed=passed,
+            tests_total=total,
+            malformed_tool_calls=self.counter("malformed_tool_calls"),
+            has_final_answer=answer is not None,
+            format_ok=code is not None,
+            task=self.task,
+        )
+        reward = self.reward_fn(ctx)
+        frac = passed / total if total else 0.0
+        components = {
+            "tests_passed": frac,
+            "all_pass": 1.0 if total and passed == total else 0.0,
+            "format": 1.0 if code is not None else 0.0,
+            **reward.components,
+        }
+        return Reward(
+            value=reward.value, components=components, info={**reward.info, "tests": notes}
+        )
+
+    async def verify(self) -> Reward:
+        return await self.grade(self.final_answer)

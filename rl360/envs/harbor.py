@@ -1,0 +1,199 @@
+"""HarborEnv: Harbor-format tasks (Terminal-Bench style). The agent works in the sandbox with
+the built-in tools; then tests/ is copied to /tests and `bash /tests/test.sh` runs as the
+verifier, which writes /logs/verifier/reward.txt (one number) or reward.json (a flat dict of
+named numbers; its "reward" entry, else the mean, is the value). The script's exit code is
+ignored. A verifier that writes no reward is a verifier failure (infra_error), not a 0.
+
+Sandbox: the task's memory, storage, cpus, network and timeouts are honoured; /logs, /tests
+and /solution are private writable dirs next to the work dir (default /app). A task with its
+own image (docker_image or environment/Dockerfile) runs only on the docker backend; where no
+Docker engine runs it is refused up front, naming the task and the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rl360.envs.api import Env, EnvStart, SandboxSpec, TaskRefused, ToolResult
+from rl360.envs.sandbox import Sandbox, SandboxLimits
+from rl360.envs.tools import ToolBox
+from rl360.types import Message, Reward, Task, ToolCall
+
+SCRATCH_DIRS = ["/logs", "/tests", "/solution"]
+SYSTEM_PROMPT = (
+    "You are working in a Linux sandbox; your work dir is {workdir}. Use the tools to inspect "
+    "files, run commands and make changes. When the task is done, reply with a short summary "
+    "and no tool call."
+)
+
+
+class VerifierError(RuntimeError):
+    """The task's verifier did not produce a reward."""
+
+
+def _host_files(root: Path) -> list[tuple[str, bytes, int]]:
+    """(relative path, bytes, mode) of every file under `root` (none when it is missing)."""
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            mode = 0o755 if p.stat().st_mode & 0o111 else 0o644
+            out.append((p.relative_to(root).as_posix(), p.read_bytes(), mode))
+    return out
+
+
+async def copy_tree(sandbox: Sandbox, src: Path, dest: str) -> int:
+    """Copy a host directory into the sandbox (executable bits kept); returns the file count."""
+    files = await asyncio.to_thread(_host_files, src)
+    for rel, data, mode in files:
+        await sandbox.write_file(f"{dest.rstrip('/')}/{rel}", data, mode=mode)
+    return len(files)
+
+
+def parse_reward(text: str, kind: str) -> Reward:
+    if kind == "txt":
+        try:
+            value = float(text.strip().split()[0])
+        except (ValueError, IndexError):
+            raise VerifierError(f"reward.txt does not hold a number: {text[:100]!r}") from None
+        if not math.isfinite(value):
+            raise VerifierError(f"reward.txt holds a non-finite number: {value}")
+        return Reward(value=value, components={"reward": value})
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise VerifierError(f"reward.json is not JSON: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise VerifierError("reward.json must be a non-empty flat object of numbers")
+    comps: dict[str, float] = {}
+    for k, v in data.items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise VerifierError(f"reward.json entry {k!r} is not a number: {v!r}")
+        comps[str(k)] = float(v)
+    value = comps["reward"] if "reward" in comps else sum(comps.values()) / len(comps)
+    return Reward(value=value, components=comps)
+
+
+class HarborEnv(Env):
+    def __init__(
+        self, system_prompt: str | None = SYSTEM_PROMPT, max_output_chars: int = 8000
+    ) -> None:
+        self.system_prompt = system_prompt
+        self.max_output_chars = max_output_chars
+        self.task: Task | None = None
+        self.sandbox: Sandbox | None = None
+        self.toolbox: ToolBox | None = None
+
+    def sandbox_spec(self, task: Task, base: SandboxLimits) -> SandboxSpec:
+        d = task.data
+        if d.get("network_mode") == "allowlist":
+            raise TaskRefused(
+                f"harbor task {task.id!r} needs allowlist networking, which RL360 cannot enforce"
+            )
+        limits = SandboxLimits(
+            cpu_seconds=max(base.cpu_seconds, math.ceil(d.get("agent_timeout_sec") or 0)),
+            memory_mb=int(d.get("memory_mb") or base.memory_mb),
+            max_procs=base.max_procs,
+            disk_mb=int(d.get("storage_mb") or base.disk_mb),
+            tmp_mb=base.tmp_mb,
+            output_bytes=base.output_bytes,
+            timeout=base.timeout,
+            network=d.get("network_mode") == "public",
+            cpus=d.get("cpus") or base.cpus,
+        )
+        workdir = str(d.get("workdir") or "/app")
+        if d.get("docker_image") or d.get("has_dockerfile"):
+            what = (
+                f"image {d['docker_image']!r}"
+                if d.get("docker_image")
+                else "environment/Dockerfile"
+            )
+            return SandboxSpec(
+                limits=limits,
+                workdir=workdir,
+                scratch_dirs=SCRATCH_DIRS,
+                backends=["docker"],
+                image=d.get("docker_image"),
+                why=f"harbor task {task.id!r} needs its own container ({what})",
+            )
+        return SandboxSpec(
+            limits=limits,
+            workdir=workdir,
+            scratch_dirs=SCRATCH_DIRS,
+            backends=["bwrap", "docker"],
+            why=f"harbor task {task.id!r} needs private /logs, /tests and {workdir} dirs",
+        )
+
+    def _root(self) -> Path:
+        assert self.task is not None, "setup() first"
+        return Path(self.task.data["path"])
+
+    async def setup(self, task: Task, sandbox: Sandbox) -> EnvStart:
+        if sandbox.backend == "process":
+            raise TaskRefused(
+                f"harbor task {task.id!r} cannot run on the process sandbox (absolute /logs, /tests)"
+            )
+        self.task, self.sandbox = task, sandbox
+        if task.data.get("has_dockerfile") and sandbox.backend != "docker":
+            raise TaskRefused(
+                f"harbor task {task.id!r} needs its environment/Dockerfile built (docker backend)"
+            )
+        await copy_tree(sandbox, self._root() / "environment" / "files", sandbox.workdir)
+        await sandbox.exec("mkdir -p /logs/verifier /logs/agent", timeout=30)
+        self.toolbox = ToolBox(sandbox, max_output_chars=self.max_output_chars)
+        messages = []
+        if self.system_prompt:
+            messages.append(
+                Message(role="system", content=self.system_prompt.format(workdir=sandbox.workdir))
+            )
+        messages.append(Message(role="user", content=task.prompt))
+        return EnvStart(
+            messages=messages,
+            tools=self.toolbox.specs,
+            agent_timeout_s=task.data.get("agent_timeout_sec"),
+            verify_timeout_s=task.data.get("verifier_timeout_sec"),
+        )
+
+    async def step(self, tool_call: ToolCall) -> ToolResult:
+        if self.toolbox is None:
+            return await super().step(tool_call)
+        return await self.toolbox.call(tool_call)
+
+    async def run_solution(self) -> Any:
+        """Run the task's reference solution/solve.sh in the work dir (the oracle agent)."""
+        assert self.sandbox is not None and self.task is not None, "setup() first"
+        if await copy_tree(self.sandbox, self._root() / "solution", "/solution") == 0:
+            raise ValueError(f"harbor task {self.task.id!r} has no solution/")
+        limit = float(self.task.data.get("agent_timeout_sec") or 600)
+        return await self.sandbox.exec(
+            ["bash", "/solution/solve.sh"], timeout=limit, env=self.task.data.get("env")
+        )
+
+    async def verify(self) -> Reward:
+        assert self.sandbox is not None and self.task is not None, "setup() first"
+        sb = self.sandbox
+        await sb.exec("rm -rf /tests/* /logs/verifier && mkdir -p /logs/verifier", timeout=30)
+        await copy_tree(sb, self._root() / "tests", "/tests")
+        limit = float(self.task.data.get("verifier_timeout_sec") or 600)
+        env = {**self.task.data.get("env", {}), **self.task.data.get("verifier_env", {})}
+        res = await sb.exec(["bash", "/tests/test.sh"], timeout=limit, env=env)
+        tail = (res.stdout[-1500:] + res.stderr[-1500:]).strip()
+        for kind in ("txt", "json"):
+            try:
+                text = (await sb.read_file(f"/logs/verifier/reward.{kind}")).decode(
+                    errors="replace"
+                )
+            except OSError:
+                continue
+            reward = parse_reward(text, kind)
+            reward.info.update(verifier_exit_code=res.exit_code, verifier_output=tail)
+            return reward
+        why = "timed out" if res.timed_out else f"exited {res.exit_code}"
+        raise VerifierError(
+            f"harbor task {self.task.id!r}: test.sh {why} without writing a reward: {tail[-500:]}"
+        )
