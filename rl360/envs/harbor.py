@@ -177,7 +177,12 @@ class HarborEnv(Env):
     async def verify(self) -> Reward:
         assert self.sandbox is not None and self.task is not None, "setup() first"
         sb = self.sandbox
-        await sb.exec("rm -rf /tests/* /logs/verifier && mkdir -p /logs/verifier", timeout=30)
+        # a clean /logs and /tests: the agent cannot pre-fill, block or starve the reward file
+        await sb.exec(
+            "chmod -R u+rwX /logs /tests 2>/dev/null; find /logs /tests -mindepth 1 -delete; "
+            "mkdir -p /logs/verifier /logs/agent",
+            timeout=30,
+        )
         await copy_tree(sb, self._root() / "tests", "/tests")
         limit = float(self.task.data.get("verifier_timeout_sec") or 600)
         env = {**self.task.data.get("env", {}), **self.task.data.get("verifier_env", {})}

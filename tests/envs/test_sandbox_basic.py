@@ -8,6 +8,7 @@ import os
 import pytest
 
 from rl360.envs.sandbox import (
+    ExecResult,
     SandboxError,
     SandboxFileError,
     SandboxLimits,
@@ -125,3 +126,21 @@ async def test_bwrap_scratch_dirs_and_workdir(bwrap_backend):
         assert await sb.read_file("/logs/verifier/reward.txt") == b"1\n"
     with pytest.raises(ValueError, match="cannot be a writable dir"):
         build_sandbox(bwrap_backend, SandboxLimits(), "/usr")
+
+
+def test_sandbox_from_an_event_loop_in_another_thread(backend):
+    """Ray async actors run their event loop off the main thread."""
+    import threading
+
+    out: dict[str, object] = {}
+
+    async def use() -> None:
+        async with build_sandbox(backend, SandboxLimits()) as sb:
+            out["res"] = await sb.exec("echo threaded")
+            out["pids"] = await sb.host_pids()
+
+    t = threading.Thread(target=lambda: asyncio.run(use()), name="loop-thread")
+    t.start()
+    t.join(30)
+    res = out["res"]
+    assert isinstance(res, ExecResult) and res.stdout == "threaded\n"

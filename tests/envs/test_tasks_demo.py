@@ -88,3 +88,16 @@ async def test_harbor_episode_with_tools(bwrap_backend):
         res = await run_episode(env, task, sandbox, client)
     assert res.status == "ok" and res.reward.value == 1.0, (res.reason, res.messages[-4:])
     assert "len(xs) - 1" in res.messages[3].content and res.messages[7].content.startswith("2.0")
+
+
+async def test_harbor_agent_cannot_prefill_or_block_the_reward(bwrap_backend):
+    task = next(t for t in HARBOR if t.id == "run-report-script")
+    env = HarborEnv()
+    async with open_sandbox(env, task, bwrap_backend) as sandbox:
+        await env.setup(task, sandbox)
+        await sandbox.exec(
+            "echo 1 > /logs/verifier/reward.txt; head -c 60000000 /dev/zero > /logs/agent/fill; "
+            "mkdir -p /logs/verifier/reward.json; chmod 000 /logs/verifier /logs"
+        )
+        reward = await env.verify()
+    assert reward.value == 0.0

@@ -79,6 +79,7 @@ class Protections(msgspec.Struct):
     cpu: str = ""  # how CPU time is capped
     disk: str = ""  # how the writable space is capped
     cleanup: str = ""  # how every process is killed on close
+    helper: str = ""  # how the sandbox's own exec helper is kept safe from the code it runs
 
     def missing(self) -> list[str]:
         return [f for f in self.__struct_fields__ if not getattr(self, f)]

@@ -1,6 +1,7 @@
 """The bubblewrap sandbox (default on Linux).
 
-One bwrap per sandbox runs the exec server as uid 65534 with no capabilities, in fresh user,
+One bwrap per sandbox runs the exec server (as the pid namespace's init, so sandboxed code
+cannot kill it) as uid 65534 with no capabilities, in fresh user,
 pid, ipc, uts, cgroup and (unless limits.network) network namespaces. It sees the system dirs and
 the interpreter's prefix read-only, a RAM-backed work dir and /tmp capped by size, and a
 read-only root. A per-sandbox cgroup caps process count and memory (RLIMIT_NPROC does not hold
@@ -63,8 +64,8 @@ ETC_FILES = (
 PROC_READONLY = ("sys", "sysrq-trigger", "fs", "bus", "irq")
 PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms")
 FORBIDDEN_WORKDIRS = ("/", "/usr", "/etc", "/proc", "/dev", "/tmp", "/bin", "/lib", "/sys")
-# processes bwrap itself adds to the pids count: the outer monitor, the namespace init, the server
-BWRAP_OVERHEAD_PROCS = 3
+# processes the sandbox itself adds to the pids count: bwrap's monitor and the exec server
+BWRAP_OVERHEAD_PROCS = 2
 
 
 @functools.cache
@@ -156,6 +157,7 @@ class BwrapSandbox(ServedSandbox):
             "--gid",
             str(SANDBOX_UID),
             "--unshare-pid",
+            "--as-pid-1",  # the exec server is the namespace's init: unkillable from inside
             "--unshare-ipc",
             "--unshare-uts",
             "--unshare-cgroup-try",
@@ -249,6 +251,9 @@ class BwrapSandbox(ServedSandbox):
             "read-only root and /dev"
         )
         p.cleanup = "pid namespace dies with bwrap" + (", cgroup swept empty" if cg.dirs else "")
+        p.helper = (
+            "exec server is the pid namespace's init (signals from inside dropped), no ptrace"
+        )
         for ctrl, why in cg.missing.items():
             warn_once(f"bwrap sandbox: no {ctrl} cap ({why})")
         if os.geteuid() == 0 and not drop_uid:

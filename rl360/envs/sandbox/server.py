@@ -5,11 +5,17 @@ requests from the host over stdin/stdout, so an exec costs one fork+exec inside 
 instead of a new sandbox. Standard library only; it never imports rl360 (the package is not
 visible inside the sandbox). Single-threaded (a selector loop), so `preexec_fn` is safe.
 
+In the bwrap sandbox it is the pid namespace's init (pid 1): the kernel drops signals sent to it
+from inside the namespace, so sandboxed code cannot kill it (and turn a failing episode into an
+infrastructure error); as init it reaps every orphan. It also makes itself non-dumpable, so
+sandboxed code cannot ptrace it.
+
 Frame (both directions): 4-byte big-endian header length, the JSON header, then the raw bytes
 of each blob whose lengths the header lists under "blobs".
 Requests: {"id", "op": "ping" | "exec" | "write" | "read", ...}.
 """
 
+import ctypes
 import json
 import os
 import resource
@@ -88,6 +94,11 @@ class Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.sel.register(rfd, selectors.EVENT_READ, ("sig", None))
         self.sigfd = rfd
+        self.by_pid = {}
+        try:  # PR_SET_DUMPABLE = 4: no ptrace from the sandbox's own (capability-less) processes
+            ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
 
     # ------------------------------------------------------------------ wire
     def send(self, header, blobs=()):
@@ -199,6 +210,22 @@ class Server:
             job.fds[fd] = (name, pipe)
             self.sel.register(fd, selectors.EVENT_READ, ("job", job))
         self.jobs[rid] = job
+        self.by_pid[proc.pid] = job
+
+    def reap(self):
+        """Reap every exited child: our jobs (their exit codes) and, as init, any orphan."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            job = self.by_pid.pop(pid, None)
+            if job is not None:
+                job.rc = os.waitstatus_to_exitcode(status)
+                job.proc.returncode = job.rc  # Popen must not wait for it again
+                job.exited_at = time.monotonic()
 
     def read_fd(self, job, fd, final=False):
         name, pipe = job.fds[fd]
@@ -245,13 +272,10 @@ class Server:
 
     def tick(self):
         now = time.monotonic()
+        self.reap()
         for job in list(self.jobs.values()):
             if job.rc is None:
-                rc = job.proc.poll()
-                if rc is not None:
-                    job.rc = rc
-                    job.exited_at = now
-                elif now >= job.deadline and not job.timed_out:
+                if now >= job.deadline and not job.timed_out:
                     job.timed_out = True
                     self.kill_group(job)
             if job.rc is not None and (not job.fds or now >= job.exited_at + DRAIN_S):
