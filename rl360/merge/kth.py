@@ -29,7 +29,7 @@ def coarse_hist(x: torch.Tensor) -> np.ndarray:
     import torch
 
     hi = torch.bitwise_right_shift(_abs_bits(x), 16)
-    return torch.bincount(hi, minlength=BINS).numpy().astype(np.int64)
+    return torch.bincount(hi, minlength=BINS).numpy()
 
 
 def fine_hist(x: torch.Tensor, hi: int) -> np.ndarray:
@@ -38,7 +38,7 @@ def fine_hist(x: torch.Tensor, hi: int) -> np.ndarray:
 
     bits = _abs_bits(x)
     sel = bits[torch.bitwise_right_shift(bits, 16) == hi]
-    return torch.bincount(sel & 0xFFFF, minlength=BINS).numpy().astype(np.int64)
+    return torch.bincount(sel & 0xFFFF, minlength=BINS).numpy()
 
 
 def locate(hist: np.ndarray, k: int) -> tuple[int, int]:

@@ -251,8 +251,11 @@ def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
 
 
 def _ray_map(
-    fn: Callable[..., Any], job: Job, method: Method, args: list[tuple[Any, ...]], bar: Any
+    fn: Callable[..., Any], job: Job, method: Method, args: list[tuple[Any, ...]], bar: Any,
+    reduce: Callable[[Any], None] | None = None,
 ) -> list[Any]:
+    """Run fn(job, method, *a) as one Ray task per shard. With `reduce`, each result is handed
+    to it as it completes (in any order) and not kept; otherwise results come back in order."""
     import ray
 
     if not ray.is_initialized():
@@ -266,8 +269,10 @@ def _ray_map(
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             for r in done:
+                if reduce is not None:
+                    reduce(ray.get(r))
                 bar.update(len(job.shards[where[r]]))
-        return ray.get(refs)
+        return [] if reduce is not None else ray.get(refs)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, MergeError):
             raise MergeError(str(e.cause)) from None
@@ -275,25 +280,30 @@ def _ray_map(
 
 
 def execute(job: Job, method: Method, use_ray: bool = False, progress: bool = True) -> Stats:
-    """Run the method's statistics passes, then the merge pass, over every shard."""
+    """Run the method's statistics passes, then the merge pass, over every shard.
+
+    Partial statistics are integer counts, added as each shard finishes, so the order in
+    which Ray tasks complete cannot change the result.
+    """
     from tqdm import tqdm
 
     n = sum(len(s) for s in job.shards)
-    bar = tqdm(
-        total=n * (method.passes + 1), unit="tensor", disable=not progress, dynamic_ncols=True
-    )
+    bar = tqdm(total=n * (method.passes + 1), unit="tensor", disable=not progress, dynamic_ncols=True)
     with bar:
         for p in range(method.passes):
             bar.set_description(f"{method.name} stats {p + 1}/{method.passes}")
+            acc: list[Any] = [None]
+
+            def reduce(part: Any, acc: list[Any] = acc) -> None:
+                acc[0] = add_partials(acc[0], part)
+
             args = [(p, i) for i in range(len(job.shards))]
             if use_ray:
-                parts = _ray_map(collect_shard, job, method, args, bar)
+                _ray_map(collect_shard, job, method, args, bar, reduce)
             else:
-                parts = [collect_shard(job, method, *a, tick=bar.update) for a in args]
-            total = None
-            for part in parts:
-                total = add_partials(total, part)
-            method.finish(p, total)
+                for a in args:
+                    reduce(collect_shard(job, method, *a, tick=bar.update))
+            method.finish(p, acc[0])
         bar.set_description(f"{method.name} merge")
         args = [(i,) for i in range(len(job.shards))]
         if use_ray:
@@ -319,7 +329,10 @@ def _prepare_out(out: Path, inputs: Sequence[Path], overwrite: bool) -> None:
                 f"output.dir {out} is not empty (set output.overwrite = true to replace it)"
             )
         shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MergeError(f"output.dir {out}: cannot create it ({e.strerror or e})") from None
 
 
 def merge_checkpoints(

@@ -1,45 +1,13 @@
-"""Helpers for the merge tests: write small HF-style safetensors checkpoints."""
+"""Fixtures for the merge tests (helpers live in merge_helpers.py)."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-TAUS = [
-    [0.4, 0.0, 0.0, 0.2, 0.0, -0.1],
-    [0.2, 0.3, 5e-6, -0.6, 0.0, 0.0],
-    [0.0, 0.0, 0.1, 0.1, 0.05, 0.0],
-]
-
-
-def write_checkpoint(
-    path: Path, tensors: dict[str, torch.Tensor], shards: int = 1, config: dict | None = None
-) -> Path:
-    """Save `tensors` as model.safetensors (shards=1) or as `shards` files plus an index,
-    with the official safetensors writer, and a config.json / tokenizer_config.json."""
-    path.mkdir(parents=True, exist_ok=True)
-    names = list(tensors)
-    if shards == 1:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
-    else:
-        weight_map = {}
-        per = -(-len(names) // shards)
-        for i in range(shards):
-            part = names[i * per : (i + 1) * per]
-            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            save_file({k: tensors[k].contiguous() for k in part}, str(path / file), {"format": "pt"})
-            weight_map.update(dict.fromkeys(part, file))
-        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    cfg = {"model_type": "toy", "torch_dtype": "bfloat16"} if config is None else config
-    (path / "config.json").write_text(json.dumps(cfg))
-    (path / "tokenizer_config.json").write_text('{"model_max_length": 8}')
-    return path
+from merge_helpers import TAUS, write_checkpoint
 
 
 @pytest.fixture
@@ -54,7 +22,17 @@ def ckpt(tmp_path: Path) -> Callable[..., Path]:
 def spec_model(ckpt: Callable[..., Path]) -> tuple[Path, list[Path], torch.Tensor]:
     """The spec's shared vectors as one tensor "w" (fp32) on a nonzero base."""
     base = torch.tensor([0.5, -0.25, 1.0, 0.125, 0.25, -0.75])
-    experts = [
-        ckpt(f"e{i}", {"w": base + torch.tensor(t)}) for i, t in enumerate(TAUS)
-    ]
+    experts = [ckpt(f"e{i}", {"w": base + torch.tensor(t)}) for i, t in enumerate(TAUS)]
     return ckpt("base", {"w": base}), experts, base
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Merges are checked for values and bytes, not speed; on a shared 2-core machine a second
+    OpenMP thread mostly spins. Restored after each test."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

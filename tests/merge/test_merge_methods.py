@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TAUS
+from merge_helpers import TAUS
 
 from rl360.merge import iso, kth, ulp
 from rl360.merge import methods as M
@@ -37,10 +37,12 @@ def test_ties_mergekit_density_and_paper_k20(taus):
     expected = [0.4, 0.3, 0.1, -0.6, 0, 0]
     # mergekit: per-tensor top-k with k = int(0.4 * 6) = 2
     thr = [kth.kth_smallest_abs(t, kth.topk_rank(6, 0.4)) for t in taus]
-    close(M.ties_consensus([M.trim(t, x) for t, x in zip(taus, thr)], W).delta, expected)
+    close(
+        M.ties_consensus([M.trim(t, x) for t, x in zip(taus, thr, strict=True)], W).delta, expected
+    )
     # paper: kthvalue(d - int(d K)) with K = 0.2 keeps int(1.2) + 1 = 2 entries
     thr = [kth.kth_smallest_abs(t, kth.paper_rank(6, 0.2)) for t in taus]
-    trimmed = [M.trim(t, x) for t, x in zip(taus, thr)]
+    trimmed = [M.trim(t, x) for t, x in zip(taus, thr, strict=True)]
     close(trimmed[0], [0.4, 0, 0, 0.2, 0, 0])
     close(trimmed[1], [0, 0.3, 0, -0.6, 0, 0])
     close(trimmed[2], [0, 0, 0.1, 0.1, 0, 0])
@@ -58,13 +60,13 @@ KEEPS = [[1, 1, 0, 0, 1, 1], [0, 1, 1, 1, 0, 1], [1, 0, 1, 0, 1, 1]]
 
 def test_dare_fixed_masks_paper_and_mergekit(taus):
     keeps = [torch.tensor(k, dtype=torch.bool) for k in KEEPS]
-    paper = [M.dare_drop(t, k, M.dare_paper_factor(0.5)) for t, k in zip(taus, keeps)]
+    paper = [M.dare_drop(t, k, M.dare_paper_factor(0.5)) for t, k in zip(taus, keeps, strict=True)]
     # The spec prints 0.00001 at position 2; tau3's kept 0.1 * 2 adds 0.2 there (its own
     # mergekit row, 0.166673 = 0.1 * 1.666667 + 5e-6 * 1.222221, counts the same entry).
     close(M.linear(paper, W).delta, [0.8, 0.6, 0.20001, -1.2, 0.1, -0.2])
-    factors = [M.dare_l1_factor(t, k) for t, k in zip(taus, keeps)]
+    factors = [M.dare_l1_factor(t, k) for t, k in zip(taus, keeps, strict=True)]
     np.testing.assert_allclose(factors, [1.4, 1.222221, 1.666667], atol=ATOL)
-    l1 = [M.dare_drop(t, k, f) for t, k, f in zip(taus, keeps, factors)]
+    l1 = [M.dare_drop(t, k, f) for t, k, f in zip(taus, keeps, factors, strict=True)]
     close(M.linear(l1, W).delta, [0.56, 0.366666, 0.166673, -0.733333, 0.083333, -0.14])
 
 
@@ -87,9 +89,13 @@ def test_ram_plus_no_unique_entries_is_not_an_error():
 
 def test_gram_soup(taus):
     g = M.gram_matrix(taus)
-    np.testing.assert_allclose(g, [[0.21, -0.04, 0.02], [-0.04, 0.49, -0.06], [0.02, -0.06, 0.0225]], atol=ATOL)
+    np.testing.assert_allclose(
+        g, [[0.21, -0.04, 0.02], [-0.04, 0.49, -0.06], [0.02, -0.06, 0.0225]], atol=ATOL
+    )
     c = M.cosines(g)
-    np.testing.assert_allclose([c[0, 1], c[0, 2], c[1, 2]], [-0.124696, 0.290957, -0.571424], atol=ATOL)
+    np.testing.assert_allclose(
+        [c[0, 1], c[0, 2], c[1, 2]], [-0.124696, 0.290957, -0.571424], atol=ATOL
+    )
     np.testing.assert_allclose(M.gram_multiplicity(g), [1.290957, 1, 1.290957], atol=ATOL)
     close(M.gram_soup(taus).delta, [0.509848, 0.3, 0.077467, -0.367614, 0.038731, -0.077462])
 
@@ -105,7 +111,9 @@ def test_iso_c_2x3(taus):
     np.testing.assert_allclose(s.numpy(), [0.728975, 0.176343], atol=ATOL)
     out = iso.iso_c(mats).delta
     close(out, [[0.335005, 0.303638, 0.021805], [-0.278355, 0.318662, -0.160849]])
-    np.testing.assert_allclose(torch.linalg.svdvals(out.double()).numpy(), [0.452659] * 2, atol=ATOL)
+    np.testing.assert_allclose(
+        torch.linalg.svdvals(out.double()).numpy(), [0.452659] * 2, atol=ATOL
+    )
     # on 2x3 Iso-CTS degenerates to Iso-C (k = 2, d = 0)
     assert iso.cts_sizes(2, 3, 3, 0.8) == (2, 0)
     close(iso.iso_cts(mats).delta, out.tolist())
@@ -117,9 +125,13 @@ def test_iso_cts_reproducible_6x6():
     taus = [torch.tensor(m, dtype=torch.float32) for m in mats]
     assert iso.cts_sizes(6, 6, 3, 0.8) == (3, 1)
     s_all = iso.cts_spectrum(taus)
-    np.testing.assert_allclose(s_all.numpy(), [0.902172, 1.603852, 1.668899, 4.38978, 3.152173, 2.604254], atol=ATOL)
+    np.testing.assert_allclose(
+        s_all.numpy(), [0.902172, 1.603852, 1.668899, 4.38978, 3.152173, 2.604254], atol=ATOL
+    )
     out = iso.iso_cts(taus).delta
-    np.testing.assert_allclose(torch.linalg.svdvals(out.double()).numpy(), [2.386855] * 6, atol=ATOL)
+    np.testing.assert_allclose(
+        torch.linalg.svdvals(out.double()).numpy(), [2.386855] * 6, atol=ATOL
+    )
     close(out[0], [0.863793, -0.183092, 0.626354, -1.57439, -0.55593, 1.31808])
 
 
@@ -131,7 +143,9 @@ OFFSETS = [[1, 0, 3, 0, 0, -1], [1, 1, 0, -2, 0, 0], [0, 0, 1, 0, -1, 0]]
 def ulp_example() -> tuple[torch.Tensor, list[torch.Tensor]]:
     base = torch.tensor(BASE).bfloat16()
     o = ulp.ordinal(base)
-    return base, [ulp.from_ordinal(o + torch.tensor(k, dtype=o.dtype), torch.bfloat16) for k in OFFSETS]
+    return base, [
+        ulp.from_ordinal(o + torch.tensor(k, dtype=o.dtype), torch.bfloat16) for k in OFFSETS
+    ]
 
 
 def moved(base: torch.Tensor, delta: torch.Tensor) -> list[int]:

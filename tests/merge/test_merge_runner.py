@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TAUS
+from merge_helpers import TAUS
 from safetensors import safe_open
 
 from rl360.merge import MergeError
@@ -25,12 +25,14 @@ RUN = R.Run(progress=False)
 
 def experts_of(paths: list[Path], weights: list[float] | None = None) -> list[R.Expert]:
     weights = weights or [1.0] * len(paths)
-    return [R.Expert(path=str(p), weight=w) for p, w in zip(paths, weights)]
+    return [R.Expert(path=str(p), weight=w) for p, w in zip(paths, weights, strict=True)]
 
 
 def merge(base: Path, paths: list[Path], cfg: R.MethodConfig, out: Path, dtype: str = "auto", **kw):
     output = R.Output(dir=str(out), dtype=dtype, max_shard_size=kw.pop("shard", "4GB"))
-    return merge_checkpoints(base, experts_of(paths, kw.pop("weights", None)), cfg, output, kw.pop("run", RUN), **kw)
+    return merge_checkpoints(
+        base, experts_of(paths, kw.pop("weights", None)), cfg, output, kw.pop("run", RUN), **kw
+    )
 
 
 def load(out: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +49,10 @@ def load(out: Path) -> dict[str, torch.Tensor]:
         (R.Ties(density=0.4, scope="tensor"), [0.4, 0.3, 0.1, -0.6, 0, 0]),
         (R.Ram(), [0.3, 0.3, 0.1, -0.1, 0.05, -0.1]),
         (R.RamPlus(), [0.3, 0.36, 0.11, -0.1, 0.055, -0.12]),
-        (R.RamPlus(rescale_factor=1.1, alpha=0.2, scope="tensor"), [0.3, 0.306, 0.102, -0.1, 0.051, -0.102]),
+        (
+            R.RamPlus(rescale_factor=1.1, alpha=0.2, scope="tensor"),
+            [0.3, 0.306, 0.102, -0.1, 0.051, -0.102],
+        ),
         (R.GramSoup(), [0.509848, 0.3, 0.077467, -0.367614, 0.038731, -0.077462]),
         (R.ModelStock(), [-0.11102, -0.05551, -0.018504, 0.05551, -0.009252, 0.018503]),
     ],
@@ -63,7 +68,10 @@ def test_spec_vectors_through_the_pipeline(spec_model, tmp_path, cfg, expected):
 
 def test_iso_c_through_the_pipeline(ckpt, tmp_path):
     b = torch.linspace(-1, 1, 6).reshape(2, 3)
-    experts = [ckpt(f"e{i}", {"w": b + torch.tensor(t).reshape(2, 3), "norm": torch.ones(3) + i}) for i, t in enumerate(TAUS)]
+    experts = [
+        ckpt(f"e{i}", {"w": b + torch.tensor(t).reshape(2, 3), "norm": torch.ones(3) + i})
+        for i, t in enumerate(TAUS)
+    ]
     base = ckpt("base", {"w": b, "norm": torch.ones(3)})
     merge(base, experts, R.IsoC(), tmp_path / "out", dtype="float32")
     got = load(tmp_path / "out")
@@ -83,13 +91,17 @@ def test_ties_paper_trims_over_the_whole_model(ckpt, tmp_path):
     d = 400
     assert sum(int(torch.count_nonzero(v)) for v in model.values()) == int(d * 0.2) + 1
     assert int(torch.count_nonzero(model["b"])) == 0  # all the kept mass is in "a"
-    assert int(torch.count_nonzero(tensor["a"])) == 20 and int(torch.count_nonzero(tensor["b"])) == 60
+    assert (
+        int(torch.count_nonzero(tensor["a"])) == 20 and int(torch.count_nonzero(tensor["b"])) == 60
+    )
 
 
 def test_shape_mismatch_names_tensor_and_shapes(ckpt, tmp_path):
     base = ckpt("base", {"x": torch.zeros(4, 3), "y": torch.zeros(2)})
     bad = ckpt("bad", {"x": torch.zeros(4, 3), "y": torch.zeros(3)})
-    with pytest.raises(MergeError, match=r"tensor y: shape \[3\] in expert 'bad' but \[2\] in the base"):
+    with pytest.raises(
+        MergeError, match=r"tensor y: shape \[3\] in expert 'bad' but \[2\] in the base"
+    ):
         merge(base, [bad], R.Ram(), tmp_path / "out")
 
 
@@ -112,7 +124,9 @@ def test_non_float_tensors_are_copied_after_checking(ckpt, tmp_path):
     assert torch.equal(got["ids"], ids) and got["ids"].dtype == torch.int64
     assert summary.stats.copied == 1
     other = ckpt("other", {"w": torch.ones(3), "ids": ids + 1})
-    with pytest.raises(MergeError, match="tensor ids: non-float tensor differs between expert 'other'"):
+    with pytest.raises(
+        MergeError, match="tensor ids: non-float tensor differs between expert 'other'"
+    ):
         merge(base, [other], R.Soup(), tmp_path / "out2")
 
 
@@ -120,11 +134,24 @@ def test_output_layout_index_config_and_reader_parity(ckpt, tmp_path):
     gen = torch.Generator().manual_seed(1)
     names = [f"layers.{i}.w" for i in range(6)]
     b = {n: torch.randn(64, 32, generator=gen).bfloat16() for n in names}
-    e = [{n: (v.float() + 0.05 * torch.randn(v.shape, generator=gen)).bfloat16() for n, v in b.items()} for _ in range(2)]
+    e = [
+        {
+            n: (v.float() + 0.05 * torch.randn(v.shape, generator=gen)).bfloat16()
+            for n, v in b.items()
+        }
+        for _ in range(2)
+    ]
     base = ckpt("base", b, shards=3)
     experts = [ckpt("e0", e[0], shards=2), ckpt("e1", e[1])]  # index + single file
     s1 = merge(base, experts, R.Ties(), tmp_path / "a", shard="5KB")
-    s2 = merge(base, experts, R.Ties(), tmp_path / "b", shard="5KB", run=R.Run(progress=False, reader="safetensors"))
+    s2 = merge(
+        base,
+        experts,
+        R.Ties(),
+        tmp_path / "b",
+        shard="5KB",
+        run=R.Run(progress=False, reader="safetensors"),
+    )
     index = json.loads((tmp_path / "a" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) == 6 and files[0] == "model-00001-of-00006.safetensors"
