@@ -109,6 +109,9 @@ def choose_backend(spec: SandboxSpec, backend: str, task: Task) -> str:
             raise TaskRefused(
                 f"task {task.id!r} cannot run on the {backend} sandbox: {spec.why or 'needs ' + '/'.join(allowed)}"
             )
+        why = unavailable_reason(backend)
+        if why is not None:
+            raise TaskRefused(f"task {task.id!r}: the {backend} sandbox is unavailable here: {why}")
         return backend
     reasons = []
     for name in allowed:

@@ -15,7 +15,7 @@ import secrets
 from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ToolResult
-from rl360.envs.sandbox import Sandbox
+from rl360.envs.sandbox import Sandbox, SandboxFileError
 from rl360.envs.tools import ToolBox
 from rl360.rewards import RewardContext, build_reward
 from rl360.types import Message, Reward, Task, ToolCall
@@ -30,9 +30,13 @@ _LOOKS_LIKE_PY = re.compile(r"^\s*(def|class|import|from|return|lambda|print|asy
 RUNNER = r"""
 import json, os, signal, sys
 def _main():
-    with open(sys.argv[1]) as f:
-        spec = json.load(f)
-    os.unlink(sys.argv[1])
+    if sys.argv[1].startswith("{"):
+        spec = json.loads(sys.argv[1])
+    else:
+        with open(sys.argv[1]) as f:
+            spec = json.load(f)
+        os.unlink(sys.argv[1])
+    sys.argv[1:] = []
     nonce, per = spec["nonce"], spec["per_test_timeout"]
     out = os.fdopen(os.dup(1), "w")
     def _alarm(*_):
@@ -144,11 +148,14 @@ class CodeEnv(Env):
             "solution": code,
             "tests": units,
         }
-        spec_path = f".rl360-verify-{nonce}.json"
-        await self.sandbox.write_file(spec_path, json.dumps(spec))
+        spec_arg = f".rl360-verify-{nonce}.json"
+        try:
+            await self.sandbox.write_file(spec_arg, json.dumps(spec))
+        except SandboxFileError:  # e.g. the agent filled the disk: pass the spec inline
+            spec_arg = json.dumps(spec)
         limit = self.per_test_timeout_s * (len(units) + 1) + 5.0
         res = await self.sandbox.exec(
-            ["python3", *self.python_flags, "-c", RUNNER, spec_path], timeout=limit
+            ["python3", *self.python_flags, "-c", RUNNER, spec_arg], timeout=limit
         )
         passed, notes = 0, []
         seen: set[int] = set()

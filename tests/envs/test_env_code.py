@@ -124,3 +124,12 @@ async def test_tool_using_code_episode(bwrap_backend, make_sandbox):
     res = await run_episode(CodeEnv(tools=True), TASK, make_sandbox(bwrap_backend), client)
     assert res.status == "ok" and res.reward.value == 1.0
     assert res.messages[-2].role == "tool" and res.messages[-2].content.startswith("12")
+
+
+async def test_full_disk_does_not_break_grading(bwrap_backend, make_sandbox):
+    """A tool-using agent that fills the work dir must still be graded (not an infra error)."""
+    sb = make_sandbox(bwrap_backend, disk_mb=8)
+    env = CodeEnv()
+    await env.setup(TASK, sb)
+    await sb.exec("head -c 20000000 /dev/zero > fill.bin")
+    assert (await env.grade("def add_seven(x):\n    return x + 7")).value == 1.0

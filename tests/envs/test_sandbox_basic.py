@@ -144,3 +144,25 @@ def test_sandbox_from_an_event_loop_in_another_thread(backend):
     t.join(30)
     res = out["res"]
     assert isinstance(res, ExecResult) and res.stdout == "threaded\n"
+
+
+def test_stale_cgroups_of_dead_owners_are_swept(tmp_path):
+    from rl360.envs.sandbox import cgroups
+
+    for name in ["rl360-bwrap-999999999-aa", f"rl360-bwrap-{os.getpid()}-bb", "other-group"]:
+        (tmp_path / name).mkdir()
+    cgroups._sweep_stale(str(tmp_path))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["other-group", f"rl360-bwrap-{os.getpid()}-bb"]
+
+
+def test_explicit_unavailable_backend_is_refused_with_reason(monkeypatch):
+    from rl360.envs import api
+    from rl360.envs.code import CodeEnv
+    from rl360.types import Task
+
+    monkeypatch.setattr(api, "unavailable_reason", lambda name: "no engine")
+    with pytest.raises(
+        api.TaskRefused, match=r"'t'.*docker sandbox is unavailable here: no engine"
+    ):
+        api.open_sandbox(CodeEnv(), Task(id="t", prompt="p", data={"tests": ["pass"]}), "docker")
