@@ -1,0 +1,275 @@
+"""Policy losses: pure functions of tensors, per token.
+
+Inputs share one [B, T] shape (T = target positions): `logprobs` (current policy, with grad),
+`old_logprobs` (the policy the step starts from, no grad), `sampling_logprobs` (what the
+engines reported when they sampled), `advantages` ([B] or [B, T]), `mask` (1 on loss tokens).
+Each loss returns (per-token loss [B, T], zero off the mask; metrics). A reducer
+(rl360.policies.reducers) turns the per-token loss into a scalar with global denominators.
+
+Metrics are 0-dim detached tensors. Convention for aggregating them over micro-batches and
+ranks: a key ending in "_max" is a maximum; every other key is a mean over loss tokens.
+
+Truncated importance sampling (TIS): the engines sample with their own numerics, so their
+logprobs differ from the trainer's. The policy-gradient term of each token is weighted by
+min(exp(old - sampling), tis_cap), detached; the mismatch itself is always reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+import torch
+from torch import Tensor
+
+Metrics = dict[str, Tensor]
+BaseLoss = Callable[..., tuple[Tensor, Metrics]]
+
+_MAX_LOG_RATIO = 20.0  # exp() guard; a log-ratio this large is clipped away anyway
+
+
+class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Mirrors the recipe's [trainer.loss] section (plus norm_length)."""
+
+    name: Literal["ppo", "gspo", "reinforce"] = "ppo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    tis_cap: float = 2.0  # 0 turns the TIS weight off (the mismatch is still reported)
+    kl_coef: float = 0.0  # > 0 needs ref_logprobs (a frozen reference policy)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    reducer: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    norm_length: int = 1024  # the constant divisor of seq-mean-token-sum-norm
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(f"loss.name {self.name!r} not in {sorted(POLICY_LOSSES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator {self.kl_estimator!r} not in {sorted(KL_ESTIMATORS)}")
+        if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
+            raise ValueError(f"loss clip bounds need 0 <= eps_low < 1 and eps_high >= 0, got "
+                             f"{self.eps_low}, {self.eps_high}")
+        if self.tis_cap != 0 and self.tis_cap < 1:
+            raise ValueError(f"loss.tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
+        if self.kl_coef < 0:
+            raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.norm_length <= 0:
+            raise ValueError(f"loss.norm_length must be > 0, got {self.norm_length}")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def masked_max(x: Tensor, mask: Tensor) -> Tensor:
+    if not bool(mask.any()):
+        return x.new_zeros(())
+    return x[mask.bool()].max()
+
+
+def _masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is set, 0 elsewhere (no inf * 0 = nan)."""
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    return advantages.to(like.dtype).expand_as(like)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the softmax over the last dim: logsumexp(z) - sum(p * z)."""
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    return logprobs - ref_logprobs
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Schulman's k3: exp(ref - logp) - (ref - logp) - 1 (unbiased, always >= 0)."""
+    d = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.exp(d) - d - 1.0
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": kl_k1, "k3": kl_k3}
+
+
+def tis_weights(
+    old_logprobs: Tensor,
+    sampling_logprobs: Tensor,
+    mask: Tensor,
+    cap: float,
+    level: Literal["token", "sequence"] = "token",
+) -> tuple[Tensor, Metrics]:
+    """min(exp(old - sampling), cap), detached (ones when cap is 0), plus mismatch metrics."""
+    diff = _masked((old_logprobs - sampling_logprobs).detach(), mask)
+    if level == "sequence":  # geometric mean over the sequence's loss tokens
+        m = mask.to(diff.dtype)
+        seq = diff.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+        diff_used = seq.expand_as(diff)
+    else:
+        diff_used = diff
+    raw = torch.exp(diff_used.clamp(max=_MAX_LOG_RATIO))
+    if cap > 0:
+        w = _masked(raw.clamp(max=cap), mask)
+        capped = (raw > cap).to(diff.dtype)
+    else:
+        w = mask.to(diff.dtype)
+        capped = torch.zeros_like(diff)
+    metrics = {
+        "mismatch_abs_mean": masked_mean(diff.abs(), mask),
+        "mismatch_abs_max": masked_max(diff.abs(), mask),
+        "tis_capped_frac": masked_mean(capped, mask),
+        "tis_weight_mean": masked_mean(w, mask),
+    }
+    return w, metrics
+
+
+# ----------------------------------------------------------------------------- base losses
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[Tensor, Metrics]:
+    """PPO-clip with asymmetric bounds (clip-higher): ratio in [1 - eps_low, 1 + eps_high]."""
+    adv = _per_token(advantages, logprobs)
+    log_ratio = _masked(logprobs - old_logprobs.detach(), mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = _masked(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(logprobs.dtype)
+        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logprobs.dtype)
+        metrics = {
+            "clip_frac": masked_mean(low + high, mask),
+            "clip_frac_low": masked_mean(low, mask),
+            "clip_frac_high": masked_mean(high, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, metrics
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+) -> tuple[Tensor, Metrics]:
+    """GSPO: one ratio per sequence, exp(mean of the token log-ratios over its loss tokens),
+    clipped like PPO. Written per token as exp(sg[s] + logp - sg[logp]): every token carries
+    the sequence's value and the gradient of the sequence ratio."""
+    adv = _per_token(advantages, logprobs)
+    m = mask.to(logprobs.dtype)
+    log_ratio = _masked(logprobs - old_logprobs.detach(), mask)
+    seq = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    tok_log_ratio = seq.detach() + logprobs - logprobs.detach()
+    ratio = torch.exp(_masked(tok_log_ratio, mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = _masked(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(logprobs.dtype)
+        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logprobs.dtype)
+        metrics = {
+            "clip_frac": masked_mean(low + high, mask),
+            "clip_frac_low": masked_mean(low, mask),
+            "clip_frac_high": masked_mean(high, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, metrics
+
+
+def reinforce_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, **_: float
+) -> tuple[Tensor, Metrics]:
+    """Plain policy gradient: -A * logp (old_logprobs only feed the TIS weight)."""
+    adv = _per_token(advantages, logprobs)
+    return _masked(-adv * logprobs, mask), {}
+
+
+POLICY_LOSSES: dict[str, BaseLoss] = {
+    "ppo": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "reinforce": reinforce_loss,
+}
+
+
+# ----------------------------------------------------------------------------- composed
+
+
+class PolicyLoss:
+    """The configured loss: base loss x TIS weight (+ kl_coef x KL to a reference)."""
+
+    def __init__(self, config: LossConfig) -> None:
+        self.config = config
+        self.base = POLICY_LOSSES[config.name]
+        self.kl = KL_ESTIMATORS[config.kl_estimator]
+        self.tis_level: Literal["token", "sequence"] = (
+            "sequence" if config.name == "gspo" else "token"
+        )
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.config.kl_coef > 0
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        old_logprobs: Tensor | None,
+        sampling_logprobs: Tensor | None,
+        advantages: Tensor,
+        mask: Tensor,
+        ref_logprobs: Tensor | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        c = self.config
+        if old_logprobs is None:  # one optimizer step per batch: old == current, detached
+            old_logprobs = logprobs.detach()
+        shapes = {tuple(t.shape) for t in (logprobs, old_logprobs, mask)}
+        if sampling_logprobs is not None:
+            shapes.add(tuple(sampling_logprobs.shape))
+        if len(shapes) != 1:
+            raise ValueError(f"policy loss inputs disagree on shape: {sorted(shapes)}")
+        loss, metrics = self.base(
+            logprobs, old_logprobs, advantages, mask, eps_low=c.eps_low, eps_high=c.eps_high
+        )
+        metrics["pg_loss"] = masked_mean(loss.detach(), mask)
+        if sampling_logprobs is not None:
+            w, tis_metrics = tis_weights(old_logprobs, sampling_logprobs, mask, c.tis_cap,
+                                         self.tis_level)
+            loss = loss * w
+            metrics.update(tis_metrics)
+        if ref_logprobs is not None:
+            kl = _masked(self.kl(logprobs, ref_logprobs.detach()), mask)
+            metrics["kl"] = masked_mean(kl.detach(), mask)
+            if c.kl_coef > 0:
+                loss = loss + c.kl_coef * kl
+        elif c.kl_coef > 0:
+            raise ValueError(f"kl_coef={c.kl_coef} needs ref_logprobs from a reference policy")
+        return loss, metrics
+
+
+def build_policy_loss(config: LossConfig | None = None, **overrides: object) -> PolicyLoss:
+    """`build_policy_loss(LossConfig(name="gspo"))` or `build_policy_loss(name="gspo")`."""
+    config = config or LossConfig()
+    if overrides:
+        config = msgspec.structs.replace(config, **overrides)
+        config.__post_init__()
+    return PolicyLoss(config)
