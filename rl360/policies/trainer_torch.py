@@ -1,0 +1,374 @@
+"""The torch trainer backend: one HF causal LM, one AdamW step per global batch.
+
+`train_step(batch)` cuts the batch into micro-batches (right-padded, sorted by length), runs
+forward + backward on each with the configured policy loss and reducer, accumulating
+gradients; the reducer divides by the GLOBAL batch's token / sequence counts, so the step
+does not depend on the micro-batch size or on how the batch is split over data-parallel ranks.
+When torch.distributed is initialized with world size > 1 (the trainer group does that),
+gradients are summed across ranks (not averaged: the global denominators already make the
+sum exact) before clipping and the optimizer step, so every rank takes the identical step.
+
+"old" logprobs: with one optimizer step per batch the policy before the step is the current
+one, so old = current logprobs, detached, from the same forward (no second pass). They feed the
+PPO/GSPO ratio (= 1, carrying the gradient) and the TIS weight exp(old - sampling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rl360.policies.losses import LossConfig, PolicyLoss, build_policy_loss, entropy_from_logits
+from rl360.policies.reducers import Reducer, build_reducer, global_denominators
+from rl360.types import Batch, TrainSample
+
+STATE_FILE = "trainer_state.pt"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+_NOT_COPIED = {"config.json", "generation_config.json", STATE_FILE}
+_BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
+
+
+class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still reported)
+    warmup_steps: int = 0  # linear lr warm-up, then constant
+    micro_batch_size: int = 16  # sequences per forward/backward
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast; weights stay fp32
+    temperature: float = 1.0  # logits / temperature, as the engines sampled
+    loss: LossConfig = msgspec.field(default_factory=LossConfig)
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    # pass the padding mask to the model. A causal LM with right padding does not need it
+    # (a real token never attends to a later pad) and runs faster without it.
+    attention_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.micro_batch_size < 1 or self.temperature <= 0:
+            raise ValueError(f"trainer config needs lr > 0, micro_batch_size >= 1 and "
+                             f"temperature > 0, got {self.lr}, {self.micro_batch_size}, "
+                             f"{self.temperature}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"trainer dtype {self.dtype!r} not in ['bfloat16', 'float32']")
+        if self.grad_clip < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("trainer grad_clip, weight_decay and warmup_steps must be >= 0")
+
+
+@dataclass
+class _MicroBatch:
+    ids: Tensor  # [B, L] right-padded
+    attn: Tensor  # [B, L]
+    mask: Tensor  # [B, L-1] loss mask on targets ids[:, 1:]
+    sampling: Tensor  # [B, L-1]
+    adv: Tensor  # [B]
+
+
+class _Metrics:
+    """Token-weighted means (keys not ending in _max) and maxima over micro-batches/ranks."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, Tensor | float], weight: float) -> None:
+        for k, v in metrics.items():
+            x = float(v)
+            if k.endswith("_max"):
+                self.maxes[k] = max(self.maxes.get(k, x), x)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + x * weight
+                self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def all_reduce(self) -> None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.sums, self.weights, self.maxes))
+        self.sums, self.weights, self.maxes = {}, {}, {}
+        for sums, weights, maxes in gathered:
+            for k, v in sums.items():
+                self.sums[k] = self.sums.get(k, 0.0) + v
+                self.weights[k] = self.weights.get(k, 0.0) + weights[k]
+            for k, v in maxes.items():
+                self.maxes[k] = max(self.maxes.get(k, v), v)
+
+    def result(self) -> dict[str, float]:
+        out = {k: s / self.weights[k] if self.weights[k] > 0 else 0.0 for k, s in self.sums.items()}
+        out.update(self.maxes)
+        return out
+
+
+def _validate(samples: list[TrainSample], vocab: int) -> None:
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        if n == 0 or len(s.mask) != n or len(s.sampling_logprobs) != n:
+            raise ValueError(f"sample {i}: tokens, mask and sampling_logprobs need one nonzero "
+                             f"length, got {n}, {len(s.mask)}, {len(s.sampling_logprobs)}")
+        if s.mask[0]:
+            raise ValueError(f"sample {i}: mask[0] is 1, but the first token has no prediction "
+                             "(the loss mask marks target tokens)")
+        lo, hi = min(s.tokens), max(s.tokens)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"sample {i}: token id {lo if lo < 0 else hi} outside the "
+                             f"model's vocab [0, {vocab})")
+
+
+class TorchTrainer:
+    def __init__(self, config: TrainerConfig, model_path: str | Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.model_path = Path(model_path)
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.model.train(False)  # no dropout: old == current must hold exactly
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+            weight_decay=config.weight_decay, foreach=True,
+        )
+        warm = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+        )
+        self.loss_fn: PolicyLoss = build_policy_loss(config.loss)
+        self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
+        self.reference = None
+        if self.loss_fn.needs_reference:
+            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            self.reference.train(False).requires_grad_(False)
+        cfg = self.model.config
+        self.vocab = int(cfg.vocab_size)
+        pad = getattr(cfg, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) else 0
+        self.step = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(
+        self, batch: Batch, global_tokens: int | None = None, global_seqs: int | None = None
+    ) -> dict[str, float]:
+        t0 = time.perf_counter()
+        samples = batch.samples
+        _validate(samples, self.vocab)
+        local_tokens, local_seqs = global_denominators(s.mask for s in samples)
+        if global_tokens is None or global_seqs is None:
+            counts = torch.tensor([local_tokens, local_seqs], dtype=torch.long)
+            if self.world_size > 1:
+                dist.all_reduce(counts)
+            global_tokens = int(counts[0]) if global_tokens is None else global_tokens
+            global_seqs = int(counts[1]) if global_seqs is None else global_seqs
+        acc = _Metrics()
+        loss_total = torch.zeros((), dtype=torch.float64)
+        self.optimizer.zero_grad(set_to_none=True)
+        if global_tokens > 0:
+            for mb in self._micro_batches(samples):
+                loss_total += self._forward_backward(mb, acc, global_tokens, global_seqs)
+        self._add_batch_metrics(batch, acc)
+        if self.world_size > 1:
+            self._all_reduce_grads()
+            dist.all_reduce(loss_total)
+            acc.all_reduce()
+        grad_norm = self._clip()
+        skipped = global_tokens == 0 or not bool(torch.isfinite(grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not skipped:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = acc.result()
+        metrics.update(
+            loss=float(loss_total), grad_norm=float(grad_norm), lr=float(lr),
+            skipped=float(skipped), step=float(self.step), tokens=float(global_tokens),
+            seqs=float(global_seqs), local_tokens=float(local_tokens),
+            local_seqs=float(local_seqs), step_time_s=time.perf_counter() - t0,
+        )
+        return metrics
+
+    def _micro_batches(self, samples: list[TrainSample]) -> Iterator[_MicroBatch]:
+        order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
+        size = self.config.micro_batch_size
+        for start in range(0, len(order), size):
+            chunk = [samples[i] for i in order[start : start + size]]
+            width = max(len(s.tokens) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.float32)
+            samp = torch.zeros((len(chunk), width), dtype=torch.float32)
+            for r, s in enumerate(chunk):
+                n = len(s.tokens)
+                ids[r, :n] = torch.tensor(s.tokens, dtype=torch.long)
+                attn[r, :n] = 1
+                mask[r, :n] = torch.tensor(s.mask, dtype=torch.float32)
+                samp[r, :n] = torch.tensor(s.sampling_logprobs, dtype=torch.float32)
+            adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
+            yield _MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.dtype == "bfloat16":
+            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _logits(self, model: Any, mb: _MicroBatch) -> Tensor:
+        with self._autocast():
+            attn = mb.attn if self.config.attention_mask else None
+            out = model(input_ids=mb.ids, attention_mask=attn, use_cache=False)
+        return out.logits[:, :-1].float() / self.config.temperature
+
+    @staticmethod
+    def _target_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+        targets = ids[:, 1:].unsqueeze(-1)
+        return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def _forward_backward(
+        self, mb: _MicroBatch, acc: _Metrics, global_tokens: int, global_seqs: int
+    ) -> Tensor:
+        n_tok = float(mb.mask.sum())
+        if n_tok == 0:
+            return torch.zeros((), dtype=torch.float64)
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs = self._target_logprobs(self._logits(self.reference, mb), mb.ids)
+        logits = self._logits(self.model, mb)
+        logprobs = self._target_logprobs(logits, mb.ids)
+        per_token, metrics = self.loss_fn(
+            logprobs, logprobs.detach(), mb.sampling, mb.adv, mb.mask, ref_logprobs
+        )
+        loss = self.reducer(per_token, mb.mask, global_tokens=global_tokens, global_seqs=global_seqs)
+        loss.backward()
+        with torch.no_grad():
+            m = mb.mask
+            metrics["entropy"] = (entropy_from_logits(logits.detach()) * m).sum() / n_tok
+            metrics["logprob_mean"] = (logprobs.detach() * m).sum() / n_tok
+        acc.add(metrics, n_tok)
+        return loss.detach().to(torch.float64)
+
+    def _add_batch_metrics(self, batch: Batch, acc: _Metrics) -> None:
+        """advantage/reward/staleness means over loss tokens; staleness max."""
+        for s in batch.samples:
+            n = float(sum(s.mask))
+            if n == 0:
+                continue
+            acc.add({"advantage_mean": s.advantage, "reward_mean": s.reward}, n)
+            if s.versions:
+                stale = [batch.policy_version - v
+                         for v, m in zip(s.versions, s.mask, strict=False) if m and v >= 0]
+                if stale:
+                    acc.add({"staleness_mean": sum(stale) / len(stale),
+                             "staleness_max": max(stale)}, float(len(stale)))
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks, bucketed (a rank without samples contributes zeros)."""
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        bucket: list[Tensor] = []
+        numel = 0
+        for g in [*grads, None]:
+            if g is not None:
+                bucket.append(g)
+                numel += g.numel()
+            if bucket and (g is None or numel >= _BUCKET_NUMEL):
+                flat = torch.cat([t.reshape(-1) for t in bucket])
+                dist.all_reduce(flat)
+                offset = 0
+                for t in bucket:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+                bucket, numel = [], 0
+
+    def _clip(self) -> Tensor:
+        grads = [p for p in self.params if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+
+    # ------------------------------------------------------------------ weights and state
+
+    def state_dict_for_sync(self) -> dict[str, Tensor]:
+        """Detached, contiguous CPU copies under the HF names (tied weights share one copy)."""
+        out: dict[str, Tensor] = {}
+        seen: dict[int, Tensor] = {}
+        for name, t in self.model.state_dict().items():
+            key = t.data_ptr()
+            if key not in seen:
+                seen[key] = t.detach().to("cpu", copy=True).contiguous()
+            out[name] = seen[key]
+        return out
+
+    def save(self, out_dir: str | Path) -> Path:
+        """HF safetensors + config + tokenizer files from the model path + trainer_state.pt."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out, safe_serialization=True)
+        for f in self.model_path.iterdir():
+            if (f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES)
+                    and not (out / f.name).exists()):
+                shutil.copy2(f, out / f.name)
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "config": msgspec.to_builtins(self.config),
+        }
+        tmp = out / f".{STATE_FILE}.tmp"
+        torch.save(state, tmp)
+        tmp.replace(out / STATE_FILE)
+        return out
+
+    def load(self, in_dir: str | Path) -> None:
+        """Restore weights, optimizer, scheduler, step and RNG state written by `save`."""
+        from transformers import AutoModelForCausalLM
+
+        src = Path(in_dir)
+        if not (src / STATE_FILE).is_file():
+            raise FileNotFoundError(f"{src} has no {STATE_FILE}: not a trainer checkpoint")
+        loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        with torch.no_grad():
+            self.model.load_state_dict(loaded.state_dict(), strict=True)
+        del loaded
+        state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(_as_tuple(state["python_rng"]))
+
+
+def _as_tuple(x: Any) -> Any:
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, list | tuple) else x
