@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write per-task pass rates and a task list inside a pass-rate band")
     p.add_argument("--model", default=None, help="evaluate this model instead of model.path")
 
+    p = sub.add_parser("sft", help="supervised fine-tuning on chats (warm-start a policy)")
+    _recipe_args(p)
+
     p = sub.add_parser("recipe", help="check or print recipes")
     rsub = p.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
     q = rsub.add_parser("show", help="print the resolved recipe with every default")
@@ -81,7 +84,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return eval_main(args)
 
 
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from rl360.launch.recipe import load_recipe
+    from rl360.policies.sft import run_sft
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    stats = run_sft(recipe.sft, seed=recipe.run.seed)
+    print(f"sft: {stats['samples']} chats, final loss {stats['loss']:.4f}, "
+          f"{stats['seconds']:.1f}s -> {recipe.sft.out}")
+    return 0
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "sft": _cmd_sft,
     "serve": _cmd_serve,
     "eval": _cmd_eval,
     "recipe": _cmd_recipe,

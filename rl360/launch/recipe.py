@@ -145,6 +145,17 @@ class ClusterSection(_S):
     rollout: ClusterRole = msgspec.field(default_factory=ClusterRole)
 
 
+class SftSection(_S):
+    data: str = "examples/demo/families.py:warmstart_chats"  # .jsonl chats or "module:function"
+    samples: PosInt = 4096  # for a generator: how many chats to draw
+    base: str = "tiny"  # the model to start from ("tiny" + [sft.init]: a fresh tiny model)
+    init: dict[str, Any] = msgspec.field(default_factory=dict)  # TinyModelSpec fields
+    steps: PosInt = 100
+    batch_size: PosInt = 32
+    lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-3
+    out: str = "runs/warmstart"
+
+
 class Recipe(_S):
     run: RunSection = msgspec.field(default_factory=RunSection)
     ray: RaySection = msgspec.field(default_factory=RaySection)
@@ -155,6 +166,7 @@ class Recipe(_S):
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
+    sft: SftSection = msgspec.field(default_factory=SftSection)
 
 
 class RecipeError(ValueError):

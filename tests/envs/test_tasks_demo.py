@@ -16,7 +16,8 @@ from rl360.types import FunctionCall, Message, ToolCall
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
-TASKS = list(iter_tasks(EXAMPLES))
+MORE = Path(__file__).resolve().parents[2] / "examples" / "harbor"  # showcase tasks beyond the demo
+TASKS = list(iter_tasks(EXAMPLES)) + list(iter_tasks(MORE))
 CODE = [t for t in TASKS if t.kind == "code"]
 HARBOR = [t for t in TASKS if t.kind == "harbor"]
 

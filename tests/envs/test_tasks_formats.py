@@ -151,7 +151,7 @@ def test_demo_tasks_load():
     assert len(tasks) == 32
     code = [t for t in tasks if t.kind == "code"]
     harbor = [t for t in tasks if t.kind == "harbor"]
-    assert len(code) == 28 and len(harbor) == 4
+    assert len(code) == 30 and len(harbor) == 2
     assert len({t.data["family"] for t in code}) >= 10
     for t in code:
         assert t.prompt.startswith(f"Write a Python function {t.data['entry_point']}(")

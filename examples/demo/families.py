@@ -1,0 +1,125 @@
+"""Task families of the CPU demo: the 30 function-level demo tasks and the warm-start data.
+
+Every demo task belongs to a family parameterised by a constant (add 7, count 'a', ...). The
+demo tasks use RESERVED constants; the warm-start (SFT) data is generated from the same
+families with every other constant, so no demo task's solution, tests or wording appears in
+it. `python examples/demo/families.py tasks > examples/tasks/code.jsonl` regenerates the tasks;
+`rl360 sft` calls `warmstart_chats()`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+          "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen",
+          "eighteen", "nineteen", "twenty"]
+
+
+def word(k: int) -> str:
+    return _WORDS[k]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    arg: str
+    func: Callable[[Any], str]  # constant -> function name
+    text: Callable[[Any], str]  # constant -> what the function returns (instruction tail)
+    expr: Callable[[Any], str]  # constant -> the returned expression
+    constants: tuple[Any, ...]  # every constant the family may use
+    reserved: tuple[Any, ...]  # the demo tasks' constants (never in warm-start data)
+    inputs: tuple[Any, ...]  # test inputs
+
+
+LETTERS = tuple("abcdefghijklmnopqrstuvwxyz")
+INTS = tuple(range(2, 21))
+STRS = ("banana", "hello world", "zebra pizza", "Mississippi")
+LISTS = ([3, 1, 4, 1, 5, 9, 2, 6], [10, 20, 30, 40, 50, 60, 70], list(range(12)))
+
+FAMILIES = [
+    Family("add_k", "x", lambda k: f"add_{word(k)}", lambda k: f"x plus {k}",
+           lambda k: f"x + {k}", INTS, (3, 7, 12), (0, 5, -2)),
+    Family("sub_k", "x", lambda k: f"subtract_{word(k)}", lambda k: f"x minus {k}",
+           lambda k: f"x - {k}", INTS, (4, 9, 15), (0, 20, -1)),
+    Family("mul_k", "x", lambda k: f"times_{word(k)}", lambda k: f"x times {k}",
+           lambda k: f"x * {k}", INTS, (4, 6, 11), (0, 2, -3)),
+    Family("multiple_k", "x", lambda k: f"is_multiple_of_{word(k)}",
+           lambda k: f"True if x is divisible by {k}, else False", lambda k: f"x % {k} == 0",
+           INTS, (2, 3, 5), (12, 13, 20, 30)),
+    Family("greater_k", "x", lambda k: f"is_greater_than_{word(k)}",
+           lambda k: f"True if x is greater than {k}, else False", lambda k: f"x > {k}",
+           INTS, (6, 10), (11, 10, 3, 7)),
+    Family("less_k", "x", lambda k: f"is_less_than_{word(k)}",
+           lambda k: f"True if x is less than {k}, else False", lambda k: f"x < {k}",
+           INTS, (5, 8), (4, 8, 12, 6)),
+    Family("count_char", "s", lambda c: f"count_{c}", lambda c: f"the number of times '{c}' occurs in s",
+           lambda c: f"s.count('{c}')", LETTERS, ("a", "e", "z"), STRS),
+    Family("mod_k", "x", lambda k: f"remainder_by_{word(k)}",
+           lambda k: f"the remainder of x divided by {k}", lambda k: f"x % {k}",
+           INTS, (3, 7), (10, 22, 5)),
+    Family("repeat_k", "s", lambda k: f"repeat_{word(k)}_times", lambda k: f"s repeated {k} times",
+           lambda k: f"s * {k}", INTS, (2, 3), ("ab", "x", "")),
+    Family("prefix_k", "s", lambda k: f"first_{word(k)}_chars",
+           lambda k: f"the first {k} characters of s", lambda k: f"s[:{k}]",
+           INTS, (2, 4, 5), STRS),
+    Family("item_k", "xs", lambda k: f"item_at_{word(k)}", lambda k: f"the item of xs at index {k}",
+           lambda k: f"xs[{k}]", tuple(range(0, 7)), (1, 3), LISTS),
+    Family("pow_k", "x", lambda k: f"power_{word(k)}", lambda k: f"x to the power {k}",
+           lambda k: f"x ** {k}", tuple(range(2, 7)), (2, 3), (2, -3, 0, 5)),
+]
+
+
+def instruction(f: Family, k: Any) -> str:
+    return f"Write a Python function {f.func(k)}({f.arg}) that returns {f.text(k)}."
+
+
+def solution(f: Family, k: Any) -> str:
+    return f"def {f.func(k)}({f.arg}):\n    return {f.expr(k)}"
+
+
+def tests(f: Family, k: Any) -> list[str]:
+    ns: dict[str, Any] = {}
+    exec(solution(f, k), ns)
+    fn = ns[f.func(k)]
+    return [f"assert {f.func(k)}({x!r}) == {fn(x)!r}" for x in f.inputs]
+
+
+def demo_tasks() -> Iterator[dict[str, Any]]:
+    i = 0
+    for f in FAMILIES:
+        for k in f.reserved:
+            i += 1
+            yield {"id": f"code-{i:02d}-{f.func(k)}", "instruction": instruction(f, k),
+                   "entry_point": f.func(k), "tests": tests(f, k),
+                   "reference": solution(f, k), "family": f.name}
+
+
+def warmstart_pairs() -> list[tuple[str, str]]:
+    """Every (instruction, solution) of the families with a non-reserved constant."""
+    return [(instruction(f, k), solution(f, k)) for f in FAMILIES for k in f.constants
+            if k not in f.reserved]
+
+
+def warmstart_chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """n chats (user instruction -> assistant solution), sampled with replacement."""
+    rng = random.Random(seed)
+    pairs = warmstart_pairs()
+    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in (rng.choice(pairs) for _ in range(n))]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["tasks"]:
+        for t in demo_tasks():
+            print(json.dumps(t))
+    elif sys.argv[1:2] == ["warmstart"]:
+        for c in warmstart_chats(int(sys.argv[2]) if len(sys.argv) > 2 else 1000):
+            print(json.dumps(c))
+    else:
+        sys.exit("usage: families.py tasks | warmstart [N]")
