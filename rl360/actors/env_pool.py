@@ -10,6 +10,7 @@ the object store until the trainer reads it. Infrastructure failures come back a
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -29,7 +30,26 @@ def _infra(task: Task, group_id: str, reason: str, t0: float) -> Trajectory:
                       timings={"episode_s": time.monotonic() - t0})
 
 
+class _LRU(collections.OrderedDict):  # type: ignore[type-arg]
+    """A bounded mapping for the verify cache (oldest entries go first)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+
+    def __getitem__(self, key: Any) -> Any:
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        if len(self) > self.size:
+            self.popitem(last=False)
+
+
 class EnvActor:
+    WARM_SANDBOXES = 4  # per (backend, limits): shared by concurrent grading-only episodes
+
     def __init__(self, env_cfg: dict[str, Any], sampling: dict[str, Any], shard_names: list[str],
                  namespace: str, base_url: str) -> None:
         from rl360.envs.session_client import SessionDirectory
@@ -40,6 +60,28 @@ class EnvActor:
         self.sessions = SessionDirectory(shard_names, namespace)
         self.base_url = base_url
         self.running = 0
+        self.verify_cache = _LRU(50_000)
+        self._warm: dict[str, list[Any]] = {}
+        self._warm_rr = itertools.count()
+
+    def _sandbox_for(self, env: Any, task: Task, limits: Any) -> tuple[Any, bool]:
+        """(sandbox, pooled): a warm shared one for envs that allow it, else a fresh one."""
+        from rl360.envs.api import open_sandbox
+
+        if not getattr(env, "reuse_sandbox", False):
+            return open_sandbox(env, task, self.cfg.sandbox, limits), False
+        spec = env.sandbox_spec(task, limits)
+        key = msgspec.json.encode([self.cfg.sandbox, spec]).decode()
+        pool = self._warm.setdefault(key, [])
+        if len(pool) < self.WARM_SANDBOXES:
+            pool.append(open_sandbox(env, task, self.cfg.sandbox, limits))
+            return pool[-1], True
+        return pool[next(self._warm_rr) % len(pool)], True
+
+    def _drop_warm(self, sandbox: Any) -> None:
+        for pool in self._warm.values():
+            if sandbox in pool:
+                pool.remove(sandbox)
 
     def _agent_config(self) -> Any:
         from rl360.envs.agent import AgentConfig
@@ -52,7 +94,7 @@ class EnvActor:
 
     async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Trajectory:
         from rl360.envs.agent import run_agent_fn, run_episode
-        from rl360.envs.api import TaskRefused, open_sandbox
+        from rl360.envs.api import TaskRefused
         from rl360.envs.registry import build_env, resolve
         from rl360.envs.sandbox import SandboxLimits
         from rl360.envs.session_client import ShardChatClient
@@ -72,22 +114,27 @@ class EnvActor:
             limits = SandboxLimits(memory_mb=self.cfg.memory_mb, cpu_seconds=self.cfg.cpu_seconds,
                                    max_procs=self.cfg.max_procs)
             sandbox = None
+            pooled = False
             env = None
             try:
                 env = build_env(self.cfg.env or task.kind)
-                sandbox = open_sandbox(env, task, self.cfg.sandbox, limits)
+                sandbox, pooled = self._sandbox_for(env, task, limits)
                 if self.cfg.agent_fn:
                     client = _openai_client(self.base_url, sid, token)
                     result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
                                                 self._agent_config())
                 else:
                     client = ShardChatClient(shard, sid, token, sampling or self.sampling)
-                    result = await run_episode(env, task, sandbox, client, self._agent_config())
+                    result = await run_episode(env, task, sandbox, client, self._agent_config(),
+                                               verify_cache=self.verify_cache)
+                if pooled and result.status == "infra_error":  # maybe a broken warm sandbox
+                    self._drop_warm(sandbox)
+                    pooled = False
             except (TaskRefused, ValueError) as exc:
                 await _safe_close(shard, sid, token)
                 return _infra(task, group_id, str(exc), t0)
             finally:
-                if sandbox is not None:
+                if sandbox is not None and not pooled:
                     await _quietly(sandbox.close())
                 if env is not None:
                     await _quietly(env.close())
@@ -107,6 +154,12 @@ class EnvActor:
 
     async def load(self) -> int:
         return self.running
+
+    async def close(self) -> None:
+        for pool in self._warm.values():
+            for sb in pool:
+                await _quietly(sb.close())
+        self._warm.clear()
 
 
 async def _quietly(coro: Any) -> None:
@@ -154,5 +207,9 @@ class EnvPool:
     def shutdown(self) -> None:
         import ray
 
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=30)
+        except Exception as exc:  # the actors go anyway
+            log.warning("env actors did not close cleanly: %r", exc)
         for a in self.actors:
             ray.kill(a)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -81,9 +81,11 @@ async def run_episode(
     sandbox: Sandbox,
     client: ChatClient,
     cfg: AgentConfig | None = None,
+    verify_cache: MutableMapping[str, Reward] | None = None,
 ) -> EpisodeResult:
     """Drive `env` on `task` with `client` until a final answer, max turns, a timeout or too
-    many failing tool calls; then verify. The caller owns (and closes) `sandbox`."""
+    many failing tool calls; then verify. The caller owns (and closes) `sandbox`. With a
+    `verify_cache`, an env whose `verify_key()` is not None is verified once per key."""
     cfg = cfg or AgentConfig()
     t0 = time.monotonic()
     messages: list[Message] = []
@@ -174,8 +176,15 @@ async def run_episode(
 
     verify_limit = min(cfg.verify_timeout_s, start.verify_timeout_s or math.inf)
     t1 = time.monotonic()
+    key = env.verify_key() if verify_cache is not None else None
     try:
-        reward = await asyncio.wait_for(env.verify(), verify_limit + 5.0)
+        if key is not None and verify_cache is not None and key in verify_cache:
+            reward = verify_cache[key]
+            counters["verify_cached"] = 1
+        else:
+            reward = await asyncio.wait_for(env.verify(), verify_limit + 5.0)
+            if key is not None and verify_cache is not None:
+                verify_cache[key] = reward
     except asyncio.CancelledError:
         raise
     except TimeoutError:

@@ -59,6 +59,16 @@ class Env(abc.ABC):
     transcript: list[Message]
     counters: dict[str, int]
 
+    # True when episodes may share one long-lived sandbox (the env never changes it and verify
+    # runs a fresh process per grading); env actors then keep warm sandboxes per backend
+    reuse_sandbox: bool = False
+
+    def verify_key(self) -> str | None:
+        """A key such that equal keys give equal rewards (verify is a pure function of the
+        task and the transcript), or None. Env actors cache rewards by it, so identical
+        completions of one task are executed once."""
+        return None
+
     def sandbox_spec(self, task: Task, base: SandboxLimits) -> SandboxSpec:
         """The sandbox this task needs; the default is `base` on any backend."""
         return SandboxSpec(limits=base)

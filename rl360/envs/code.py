@@ -112,6 +112,7 @@ class CodeEnv(Env):
         python_flags: tuple[str, ...] = ("-I", "-S"),
     ) -> None:
         self.use_tools = tools
+        self.reuse_sandbox = not tools  # grading only: one warm sandbox serves many episodes
         self.system_prompt = system_prompt
         self.reward_fn = build_reward(reward, **(reward_params or {}))
         self.per_test_timeout_s = per_test_timeout_s
@@ -119,6 +120,11 @@ class CodeEnv(Env):
         self.task: Task | None = None
         self.sandbox: Sandbox | None = None
         self.toolbox: ToolBox | None = None
+
+    def verify_key(self) -> str | None:
+        if self.use_tools or self.task is None:
+            return None
+        return json.dumps([self.task.id, self.final_answer, self.counter("malformed_tool_calls")])
 
     async def setup(self, task: Task, sandbox: Sandbox) -> EnvStart:
         test_units(task)  # fail early on a task without tests

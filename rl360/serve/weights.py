@@ -25,6 +25,7 @@ class WeightPublisher:
         self.refs: list[Any] = []  # [ObjectRef], wrapped so Ray does not resolve it
         self.published_at = 0.0
         self._changed = asyncio.Event()
+        self._applied_changed = asyncio.Event()
         self.applied: dict[str, tuple[int, float]] = {}
 
     async def publish(self, version: int, wrapped_ref: list[Any]) -> bool:
@@ -46,6 +47,27 @@ class WeightPublisher:
 
     async def report_applied(self, replica: str, version: int) -> None:
         self.applied[replica] = (version, time.time() - self.published_at)
+        self._applied_changed.set()
+        self._applied_changed = asyncio.Event()
+
+    async def wait_applied(self, version: int, replicas: int, timeout_s: float) -> int:
+        """Wait until `replicas` engine replicas serve >= `version` (version 0 needs no wait);
+        returns the lowest version served by the `replicas` most recent ones."""
+        deadline = time.monotonic() + timeout_s
+        while version > 0:
+            served = sorted((v for v, _ in self.applied.values()), reverse=True)[:replicas]
+            if len(served) >= replicas and min(served) >= version:
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"engines did not apply weight version {version} within {timeout_s:.0f}s "
+                                   f"(applied: {self.applied})")
+            try:
+                await asyncio.wait_for(self._applied_changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        served = [v for v, _ in self.applied.values()]
+        return min(served) if served else 0
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied)}

@@ -1,0 +1,236 @@
+"""RolloutController: keeps episodes in flight and forwards their refs to the buffer.
+
+A group is the `group_size` attempts of one task. The controller starts groups on the env
+actors until `max_in_flight_groups` run, the buffer holds `capacity_groups` (back-pressure),
+or the staleness gate closes: the groups of batch b (the b-th `groups_per_batch` groups) may
+start only once the engines serve version >= b - max_staleness. With max_staleness = 0 that
+is synchronous on-policy RL; with >= 1 generation overlaps training, and staleness stays
+bounded by construction (the buffer still measures and enforces it per token).
+
+Tasks stream from the task files, epoch after epoch. Tail cancellation: once all but
+`tail_keep` groups of the oldest open batch are done, a group that has run longer than
+`tail_factor` x the batch's median group time is cancelled and its task re-queued at the back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rl360.types import Task
+
+log = logging.getLogger("rl360.controller")
+
+
+class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    task_paths: list[str]
+    group_size: int = 8
+    groups_per_batch: int = 32
+    max_staleness: int = 1
+    max_in_flight_groups: int = 64
+    capacity_groups: int = 256
+    engine_replicas: int = 1
+    tail_keep: int = 0  # 0 disables tail cancellation
+    tail_factor: float = 3.0
+    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
+    task_limit: int = 0
+
+
+@dataclass
+class _Group:
+    task: Task
+    refs: list[Any]
+    batch: int
+    started: float = field(default_factory=time.monotonic)
+
+
+def _task_stream(paths: list[str], limit: int) -> Iterator[Task]:
+    from rl360.envs.tasks import iter_tasks
+
+    while True:  # epochs; the files are re-read, never loaded whole
+        n = 0
+        for p in paths:
+            for t in iter_tasks(p):
+                yield t
+                n += 1
+                if limit and n >= limit:
+                    break
+            if limit and n >= limit:
+                break
+        if n == 0:
+            raise ValueError(f"no tasks in {paths}")
+
+
+class RolloutController:
+    def __init__(self, config: dict[str, Any], env_actors: list[Any], buffer: Any, publisher: Any) -> None:
+        self.cfg = msgspec.convert(config, ControllerConfig)
+        self.env_actors = env_actors
+        self.buffer = buffer
+        self.publisher = publisher
+        self.tasks = _task_stream(self.cfg.task_paths, self.cfg.task_limit)
+        self.requeued: collections.deque[Task] = collections.deque()
+        self.inflight: dict[str, _Group] = {}
+        self.started = 0  # groups that count towards batches (sets each group's batch index)
+        self.seq = 0  # every group ever started (names)
+        self.tasks_taken = 0
+        self.served_version = 0
+        self.done_times: dict[int, list[float]] = collections.defaultdict(list)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._tail_task: asyncio.Task[None] | None = None
+        self._watchers: set[asyncio.Task[None]] = set()
+        self._failure: BaseException | None = None
+        self._rr = 0
+
+    # ------------------------------------------------------------------ control
+
+    async def start(self, groups_started: int = 0, tasks_taken: int = 0) -> None:
+        self.started = self.seq = groups_started
+        for _ in range(tasks_taken):  # resume: skip what earlier runs already took
+            next(self.tasks)
+        self.tasks_taken = tasks_taken
+        loop = asyncio.get_running_loop()
+        self._loop_task = loop.create_task(self._run(), name="rl360-rollout-loop")
+        self._loop_task.add_done_callback(self._on_done)
+        if self.cfg.tail_keep > 0:
+            self._tail_task = loop.create_task(self._tail_loop(), name="rl360-tail-cancel")
+            self._tail_task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+            log.error("controller task %s failed: %r", task.get_name(), self._failure)
+
+    async def stop(self) -> dict[str, Any]:
+        import ray
+
+        for t in (self._loop_task, self._tail_task):
+            if t is not None:
+                t.cancel()
+        for g in self.inflight.values():
+            for r in g.refs:
+                ray.cancel(r)
+        return await self.status()
+
+    async def status(self) -> dict[str, Any]:
+        if self._failure is not None:
+            raise RuntimeError(f"rollout controller failed: {self._failure!r}")
+        return {
+            "groups_started": self.started,
+            "tasks_taken": self.tasks_taken - len(self.requeued),
+            "in_flight_groups": len(self.inflight),
+            "in_flight_episodes": sum(len(g.refs) for g in self.inflight.values()),
+            "served_version": self.served_version,
+            **{f"count/{k}": v for k, v in self.counts.items()},
+        }
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while True:
+            await self._admit()
+            task = self.requeued.popleft() if self.requeued else self._take()
+            gid = f"g{self.seq:07d}-{task.id}"
+            self.seq += 1
+            refs = []
+            for _ in range(self.cfg.group_size):
+                actor = self.env_actors[self._rr % len(self.env_actors)]
+                self._rr += 1
+                refs.append(actor.run.remote(task, gid, self.cfg.sampling or None))
+            self.inflight[gid] = _Group(task, refs, self.started // self.cfg.groups_per_batch)
+            self.started += 1
+            w = asyncio.get_running_loop().create_task(self._watch(gid), name=f"rl360-watch-{gid}")
+            self._watchers.add(w)
+            w.add_done_callback(self._watchers.discard)
+            w.add_done_callback(self._on_done)
+
+    def _take(self) -> Task:
+        self.tasks_taken += 1
+        return next(self.tasks)
+
+    async def _admit(self) -> None:
+        gpb = self.cfg.groups_per_batch
+        while True:
+            batch = self.started // gpb
+            need = batch - self.cfg.max_staleness
+            if need > self.served_version:
+                self.served_version = await self.publisher.wait_applied.remote(
+                    need, self.cfg.engine_replicas, 3600.0)
+                continue
+            if len(self.inflight) >= self.cfg.max_in_flight_groups:
+                await self._wait()
+                continue
+            queued = await self.buffer.size.remote()
+            if queued + len(self.inflight) >= self.cfg.capacity_groups:
+                self.counts["backpressure_waits"] += 1
+                await self._wait(timeout_s=0.5)
+                continue
+            return
+
+    async def _wait(self, timeout_s: float | None = None) -> None:
+        ev = self._wake
+        try:
+            await asyncio.wait_for(ev.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def _notify(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    async def _watch(self, gid: str) -> None:
+        import ray
+
+        g = self.inflight[gid]
+        try:
+            await asyncio.gather(*g.refs)
+        except (ray.exceptions.TaskCancelledError, asyncio.CancelledError):
+            return  # tail-cancelled: the canceller re-queued the task
+        except Exception as exc:  # an env actor died: its episodes are infra failures
+            log.warning("group %s lost episodes: %r", gid, exc)
+            self.counts["groups_lost"] += 1
+            if self.inflight.pop(gid, None) is not None:
+                self.started -= 1
+            self.requeued.append(g.task)
+            self._notify()
+            return
+        if self.inflight.pop(gid, None) is None:
+            return
+        self.done_times[g.batch].append(time.monotonic() - g.started)
+        await self.buffer.add_group.remote(gid, g.task.id, [g.refs])
+        self.counts["groups_done"] += 1
+        self._notify()
+
+    async def _tail_loop(self) -> None:
+        import ray
+
+        gpb = self.cfg.groups_per_batch
+        while True:
+            await asyncio.sleep(0.25)
+            if not self.inflight:
+                continue
+            oldest = min(g.batch for g in self.inflight.values())
+            done = self.done_times.get(oldest, [])
+            if len(done) < gpb - self.cfg.tail_keep:
+                continue
+            limit = self.cfg.tail_factor * statistics.median(done)
+            now = time.monotonic()
+            for gid, g in list(self.inflight.items()):
+                if g.batch == oldest and now - g.started > limit:
+                    self.inflight.pop(gid)
+                    for r in g.refs:
+                        ray.cancel(r)
+                    self.requeued.append(g.task)
+                    self.counts["tail_cancelled_groups"] += 1
+                    log.info("tail-cancelled %s after %.1fs (limit %.1fs)", gid, now - g.started, limit)
+                    self.started -= 1  # its slot in the batch goes to the next group
+            self._notify()
