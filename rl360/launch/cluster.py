@@ -45,6 +45,7 @@ def ray_session(
         kwargs["runtime_env"] = runtime_env
     if local:
         kwargs.update(
+            address="local",  # always a new cluster of our own, never one found on disk
             num_cpus=num_cpus or None,
             include_dashboard=dashboard,
             dashboard_host="127.0.0.1",
