@@ -198,7 +198,8 @@ class TorchTrainer:
             dist.all_reduce(loss_total)
             acc.all_reduce()
         grad_norm = self._clip()
-        skipped = global_tokens == 0 or not bool(torch.isfinite(grad_norm))
+        finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_total))
+        skipped = global_tokens == 0 or not finite
         lr = self.optimizer.param_groups[0]["lr"]
         if not skipped:
             self.optimizer.step()
@@ -321,9 +322,9 @@ class TorchTrainer:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """Detached, contiguous CPU copies under the HF names (tied weights share one copy)."""
         out: dict[str, Tensor] = {}
-        seen: dict[int, Tensor] = {}
+        seen: dict[tuple[Any, ...], Tensor] = {}
         for name, t in self.model.state_dict().items():
-            key = t.data_ptr()
+            key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
             if key not in seen:
                 seen[key] = t.detach().to("cpu", copy=True).contiguous()
             out[name] = seen[key]

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from rl360.types import TrainSample
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_ray_cluster() -> None:
+    """Make the session's `ray_cluster` start its own local Ray instead of joining whatever
+    cluster another process on this machine left in /tmp/ray/ray_current_cluster (session
+    autouse fixtures are set up before the ones a test asks for)."""
+    os.environ.setdefault("RAY_ADDRESS", "local")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,227 @@
+"""The trainer group: W Ray actors (`TrainerWorker`, named `rl360-trainer-{rank}`), each
+holding a TorchTrainer, one data-parallel rank each.
+
+With W > 1 the workers join a torch.distributed gloo group (rank 0's node address and a free
+port there, found by rank 0 and handed to all ranks by the group). Per step the group counts
+the loss tokens and sequences of the WHOLE batch, splits the samples over the ranks balanced
+by token count, and every rank runs the same optimizer step on gradients summed over ranks;
+the global denominators make the sum exact (no averaging), so W ranks step exactly like one.
+
+Checkpoints: rank 0 writes; every rank loads, so `load(dir)` needs a directory all trainer
+nodes can read (one machine, or a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import ray
+
+from rl360.policies.reducers import global_denominators
+from rl360.types import Batch, TrainSample
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from rl360.policies.trainer_torch import TrainerConfig
+
+log = logging.getLogger("rl360.trainer_group")
+
+_SUMMED = ("local_tokens", "local_seqs")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def split_by_tokens(samples: list[TrainSample], world_size: int) -> list[list[int]]:
+    """Sample indices per rank, longest first onto the rank with the fewest tokens (LPT)."""
+    loads = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[r].append(i)
+        loads[r] += len(samples[i].tokens)
+    return [sorted(s) for s in shards]
+
+
+class TrainerWorker:
+    """One rank: a TorchTrainer, plus its torch.distributed membership when W > 1."""
+
+    def __init__(self, rank: int, world_size: int, threads: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.threads = threads
+        self.trainer: Any = None
+
+    def address(self) -> tuple[str, int]:
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(
+        self, config_bytes: bytes, model_path: str, master: tuple[str, int], timeout_s: float
+    ) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+
+        from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+
+        torch.set_num_threads(self.threads)
+        config = msgspec.msgpack.decode(config_bytes, type=TrainerConfig)
+        if self.world_size > 1:
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+            if master[0] == "127.0.0.1":
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
+            )
+        self.trainer = TorchTrainer(config, model_path)
+        n = sum(p.numel() for p in self.trainer.params)
+        return {"rank": self.rank, "params": n, "pid": os.getpid()}
+
+    def train_step(self, batch_bytes: bytes, global_tokens: int, global_seqs: int) -> dict[str, float]:
+        batch = msgspec.msgpack.decode(batch_bytes, type=Batch)
+        return self.trainer.train_step(batch, global_tokens, global_seqs)
+
+    def state_dict_for_sync(self) -> dict[str, Tensor]:
+        return self.trainer.state_dict_for_sync()
+
+    def save(self, out_dir: str) -> str:
+        return str(self.trainer.save(out_dir))
+
+    def load(self, in_dir: str) -> int:
+        self.trainer.load(in_dir)
+        return int(self.trainer.step)
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class TrainerGroup:
+    """Driver-side handle on W TrainerWorker actors."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model_path: str | Path,
+        workers: int = 1,
+        *,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        threads: int = 0,
+        name_prefix: str = "rl360-trainer",
+        timeout_s: float = 600.0,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"trainer group needs workers >= 1, got {workers}")
+        self.world_size = workers
+        self.timeout_s = timeout_s
+        self.names = [f"{name_prefix}-{r}" for r in range(workers)]
+        threads = threads or getattr(config, "threads", 0) or max(1, int(num_cpus))
+        cls = ray.remote(TrainerWorker)
+        self.workers = [
+            cls.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+            .remote(rank, workers, threads)
+            for rank, name in enumerate(self.names)
+        ]
+        try:
+            master = self._get(self.workers[0].address.remote(), "address")
+            cfg = msgspec.msgpack.encode(config)
+            self.info = self._get(
+                [w.setup.remote(cfg, str(model_path), master, timeout_s) for w in self.workers],
+                "setup",
+            )
+        except BaseException:
+            self._kill()
+            raise
+        log.info("trainer group up: %d worker(s) %s", workers, self.names)
+
+    # ------------------------------------------------------------------ stepping
+
+    def _shards(self, batch: Batch) -> tuple[list[Any], int, int]:
+        if isinstance(batch, ray.ObjectRef):
+            batch = ray.get(batch)
+        tokens, seqs = global_denominators(s.mask for s in batch.samples)
+        parts = split_by_tokens(batch.samples, self.world_size)
+        refs = []
+        for w, idx in zip(self.workers, parts, strict=True):
+            shard = Batch(samples=[batch.samples[i] for i in idx], step=batch.step,
+                          policy_version=batch.policy_version)
+            refs.append(w.train_step.remote(msgspec.msgpack.encode(shard), tokens, seqs))
+        return refs, tokens, seqs
+
+    def _merge(self, results: list[dict[str, float]]) -> dict[str, float]:
+        merged = dict(results[0])  # ranks all-reduce their metrics: rank 0's are global
+        for k in _SUMMED:
+            merged[k] = sum(r.get(k, 0.0) for r in results)
+        merged["step_time_s"] = max(r["step_time_s"] for r in results)
+        merged["workers"] = float(self.world_size)
+        loads = [r.get("local_tokens", 0.0) for r in results]
+        mean = sum(loads) / len(loads)
+        merged["rank_token_imbalance"] = max(loads) / mean if mean > 0 else 1.0
+        return merged
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on the whole batch (blocking); merged metrics."""
+        refs, _, _ = self._shards(batch)
+        return self._merge(self._get(refs, "train_step"))
+
+    async def train_step_async(self, batch: Batch) -> dict[str, float]:
+        refs, _, _ = self._shards(batch)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"trainer group train_step took over {self.timeout_s}s") from exc
+        return self._merge(list(results))
+
+    # ------------------------------------------------------------------ weights and state
+
+    def state_dict_ref(self) -> ray.ObjectRef:
+        """An object ref to rank 0's state dict, for engines to fetch without the driver."""
+        return self.workers[0].state_dict_for_sync.remote()
+
+    def state_dict_for_sync(self) -> dict[str, Tensor]:
+        return self._get(self.state_dict_ref(), "state_dict_for_sync")
+
+    def save(self, out_dir: str | Path) -> Path:
+        return Path(self._get(self.workers[0].save.remote(str(out_dir)), "save"))
+
+    def load(self, in_dir: str | Path) -> int:
+        steps = self._get([w.load.remote(str(in_dir)) for w in self.workers], "load")
+        return int(steps[0])
+
+    def shutdown(self) -> None:
+        try:
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=30)
+        except Exception as exc:  # a dead worker is being shut down anyway
+            log.warning("trainer worker shutdown: %r", exc)
+        self._kill()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _get(self, refs: Any, what: str) -> Any:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TimeoutError(f"trainer group {what} took over {self.timeout_s}s "
+                               f"(workers {self.names})") from exc
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"a trainer worker died during {what}: {exc}") from exc
+
+    def _kill(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
