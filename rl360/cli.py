@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write per-task pass rates and a task list inside a pass-rate band")
     p.add_argument("--model", default=None, help="evaluate this model instead of model.path")
 
+    p = sub.add_parser("train", help="fully asynchronous RL training (engines, envs, trainer)")
+    _recipe_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+
     p = sub.add_parser("sft", help="supervised fine-tuning on chats (warm-start a policy)")
     _recipe_args(p)
 
@@ -84,6 +88,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return eval_main(args)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rl360.launch.recipe import load_recipe
+    from rl360.launch.train_run import run_train
+
+    return run_train(load_recipe(args.recipe, args.overrides), resume=args.resume)
+
+
 def _cmd_sft(args: argparse.Namespace) -> int:
     from rl360.launch.recipe import load_recipe
     from rl360.policies.sft import run_sft
@@ -96,6 +107,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _cmd_train,
     "sft": _cmd_sft,
     "serve": _cmd_serve,
     "eval": _cmd_eval,

@@ -42,6 +42,7 @@ def renderer(tiny_tokenizer):  # type: ignore[no-untyped-def]
 def ray_cluster() -> Iterator[None]:
     ray = pytest.importorskip("ray")
     ray.init(
+        address="local",  # our own cluster, never one another process left running
         num_cpus=2,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

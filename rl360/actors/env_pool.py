@@ -185,11 +185,11 @@ def _openai_client(base_url: str, sid: str, token: str) -> Any:
 class EnvPool:
     """Driver-side handle on N EnvActors; `submit` returns an ObjectRef[Trajectory]."""
 
-    def __init__(self, recipe: Any, serving: Any) -> None:
+    def __init__(self, recipe: Any, serving: Any, sampling: dict[str, Any] | None = None) -> None:
         import ray
 
         env = recipe.env
-        sampling = msgspec.to_builtins(recipe.eval.sampling)
+        sampling = sampling or msgspec.to_builtins(recipe.eval.sampling)
         cls = ray.remote(EnvActor)
         self.actors = [
             cls.options(name=f"rl360-env-{i}", namespace=recipe.ray.namespace,

@@ -145,6 +145,26 @@ class ClusterSection(_S):
     rollout: ClusterRole = msgspec.field(default_factory=ClusterRole)
 
 
+class TrainSection(_S):
+    tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
+    task_limit: NonNegInt = 0
+    steps: PosInt = 100
+    group_size: PosInt = 8  # attempts per task (one group)
+    groups_per_batch: PosInt = 32
+    max_staleness: NonNegInt = 1  # 0 = synchronous on-policy
+    stale_policy: Literal["drop", "keep"] = "drop"
+    filter_zero_variance: bool = False
+    max_in_flight_groups: PosInt = 64
+    capacity_groups: PosInt = 256
+    tail_keep: NonNegInt = 0  # > 0: cancel slow groups once all but this many are done
+    tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
+    sync_every: PosInt = 1  # publish weights every k steps
+    checkpoint_every: NonNegInt = 10  # 0 = only at the end
+    keep_checkpoints: PosInt = 2
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
+
+
 class SftSection(_S):
     data: str = "examples/demo/families.py:warmstart_chats"  # .jsonl chats or "module:function"
     samples: PosInt = 4096  # for a generator: how many chats to draw
@@ -167,6 +187,7 @@ class Recipe(_S):
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
     sft: SftSection = msgspec.field(default_factory=SftSection)
+    train: TrainSection = msgspec.field(default_factory=TrainSection)
 
 
 class RecipeError(ValueError):

@@ -33,6 +33,12 @@ class ServingHandles:
         ref = ray.put(state)
         return ray.get(self.publisher.publish.remote(version, [ref]))
 
+    def publish_ref(self, version: int, state_ref: Any) -> bool:
+        """Publish a state dict already in the object store (e.g. the trainer rank 0's)."""
+        import ray
+
+        return ray.get(self.publisher.publish.remote(version, [state_ref]))
+
     def weight_status(self) -> dict[str, Any]:
         import ray
 

@@ -27,6 +27,7 @@ class WeightPublisher:
         self._changed = asyncio.Event()
         self._applied_changed = asyncio.Event()
         self.applied: dict[str, tuple[int, float]] = {}
+        self.engine_stats: dict[str, dict[str, Any]] = {}
 
     async def publish(self, version: int, wrapped_ref: list[Any]) -> bool:
         if version <= self.version:
@@ -69,14 +70,20 @@ class WeightPublisher:
         served = [v for v, _ in self.applied.values()]
         return min(served) if served else 0
 
+    async def report_stats(self, replica: str, stats: dict[str, Any]) -> None:
+        self.engine_stats[replica] = stats
+
     async def status(self) -> dict[str, Any]:
-        return {"version": self.version, "applied": dict(self.applied)}
+        return {"version": self.version, "applied": dict(self.applied),
+                "engines": dict(self.engine_stats)}
 
 
-async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 30.0) -> None:
-    """Replica side: apply every newer published version (runs as a named task)."""
+async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0) -> None:
+    """Replica side: apply every newer published version (runs as a named task), and report
+    the backend's health (busy time, tokens) every `poll_s` for the run's metrics."""
     have = backend.version
     while True:
+        await publisher.report_stats.remote(replica, backend.health())
         version, wrapped = await publisher.wait_newer.remote(have, poll_s)
         if version <= have or not wrapped:
             continue

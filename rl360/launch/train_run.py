@@ -1,0 +1,230 @@
+"""`rl360 train`: the fully asynchronous RL loop of DESIGN.md, end to end.
+
+engines + session server (Serve) <- env actors <- rollout controller -> trajectory buffer
+-> trainer group -> weights published to every engine replica, while rollouts continue up to
+`train.max_staleness` versions behind (0: synchronous on-policy).
+
+Checkpoints (every `train.checkpoint_every` steps and at the end) hold the policy as HF
+safetensors, the optimizer/step/RNG state, the buffer's queued groups and the controller's
+position in the task stream; `--resume` continues from the newest one, so a run killed with
+`kill -9` loses only the episodes that were in flight and the steps after that checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rl360.launch.recipe import Recipe
+
+CKPT_META = "rl360_checkpoint.json"
+
+
+def trainer_config(recipe: Recipe) -> Any:
+    from rl360.policies.losses import LossConfig
+    from rl360.policies.trainer_torch import TrainerConfig
+
+    t = recipe.trainer
+    return TrainerConfig(
+        lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        micro_batch_size=t.micro_batch_size, dtype=t.dtype,
+        temperature=recipe.train.sampling.temperature or 1.0,
+        loss=msgspec.convert(msgspec.to_builtins(t.loss), LossConfig), seed=recipe.run.seed,
+    )
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = sorted(p.parent for p in (run_dir / "checkpoints").glob(f"step_*/{CKPT_META}"))
+    return done[-1] if done else None
+
+
+def staleness_stats(batch: Any) -> tuple[dict[str, int], float, float]:
+    hist: collections.Counter[int] = collections.Counter()
+    for s in batch.samples:
+        for v, m in zip(s.versions, s.mask, strict=True):
+            if m:
+                hist[batch.policy_version - v] += 1
+    n = sum(hist.values())
+    mean = sum(k * c for k, c in hist.items()) / n if n else 0.0
+    return {str(k): c for k, c in sorted(hist.items())}, mean, float(max(hist) if hist else 0)
+
+
+def run_train(recipe: Recipe, resume: bool = False) -> int:
+    import ray
+
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import RolloutController
+    from rl360.actors.env_pool import EnvPool
+    from rl360.actors.metrics import MetricsSink
+    from rl360.actors.trainer_group import TrainerGroup
+    from rl360.launch.cluster import ray_session
+    from rl360.policies.loading import resolve_model_path
+    from rl360.serve.app import start_serving, stop_serving
+
+    tr = recipe.train
+    run_dir = Path(recipe.run.out_dir) / recipe.run.name
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        print(f"rl360: --resume: no checkpoint under {run_dir / 'checkpoints'}; starting fresh",
+              file=sys.stderr)
+    if not resume and (run_dir / "checkpoints").exists():
+        print(f"rl360: {run_dir} has checkpoints from an earlier run; use --resume to continue "
+              "or another run.name", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = json.loads((ckpt / CKPT_META).read_text()) if ckpt else {}
+    model_path = resolve_model_path(recipe.model.path)
+    step0, version = int(meta.get("step", 0)), int(meta.get("version", 0))
+    (run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
+
+    r = recipe.ray
+    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:
+        if info["dashboard_url"]:
+            print(f"rl360: Ray dashboard at {info['dashboard_url']}", file=sys.stderr)
+        serving = start_serving(recipe)
+        trainer = TrainerGroup(trainer_config(recipe), ckpt / "model" if ckpt else model_path,
+                               recipe.trainer.workers, num_cpus=recipe.trainer.num_cpus,
+                               num_gpus=recipe.trainer.num_gpus)
+        pool = EnvPool(recipe, serving, sampling=msgspec.to_builtins(tr.sampling))
+        buffer = ray.remote(TrajectoryBuffer).options(
+            name="rl360-trajectory-buffer", num_cpus=0).remote({
+                "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
+                "max_staleness": tr.max_staleness, "stale_policy": tr.stale_policy,
+                "filter_zero_variance": tr.filter_zero_variance,
+                "capacity_groups": tr.capacity_groups, "advantage": recipe.trainer.advantage})
+        controller = ray.remote(RolloutController).options(
+            name="rl360-rollout-controller", num_cpus=0, max_concurrency=1000).remote(
+                {"task_paths": tr.tasks, "task_limit": tr.task_limit,
+                 "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
+                 "max_staleness": tr.max_staleness,
+                 "max_in_flight_groups": tr.max_in_flight_groups,
+                 "capacity_groups": tr.capacity_groups, "engine_replicas": recipe.engine.replicas,
+                 "tail_keep": tr.tail_keep, "tail_factor": tr.tail_factor},
+                pool.actors, buffer, serving.publisher)
+        sink = MetricsSink(run_dir, recipe.run.name, tr.steps, tr.wandb,
+                           msgspec.to_builtins(recipe), resume=ckpt is not None)
+        try:
+            if ckpt is not None:
+                ray.get(buffer.load_state.remote((ckpt / "buffer.msgpack").read_bytes()))
+                serving.publish_ref(version, trainer.state_dict_ref())
+                print(f"rl360: resumed from {ckpt} (step {step0}, policy version {version})",
+                      file=sys.stderr)
+            ray.get(controller.start.remote(int(meta.get("groups_started", 0)),
+                                            int(meta.get("tasks_taken", 0))))
+            _loop(recipe, run_dir, trainer, serving, buffer, controller, sink, step0, version)
+        finally:
+            try:
+                ray.get(controller.stop.remote(), timeout=30)
+            except Exception as exc:
+                print(f"rl360: controller stop: {exc!r}", file=sys.stderr)
+            png = sink.close()
+            pool.shutdown()
+            trainer.shutdown()
+            stop_serving(serving)
+            if png:
+                print(f"rl360: reward curve -> {png}")
+    _print_curve(sink.rows)
+    return 0
+
+
+def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, buffer: Any,
+          controller: Any, sink: Any, step0: int, version: int) -> None:
+    import ray
+
+    tr = recipe.train
+    last_engine: dict[str, dict[str, Any]] = {}
+    for step in range(step0 + 1, tr.steps + 1):
+        t0 = time.monotonic()
+        batch = None
+        while batch is None:
+            batch = ray.get(buffer.next_batch.remote(version, step, 30.0))
+            if batch is None:  # surface a dead controller instead of waiting forever
+                ray.get(controller.status.remote())
+        t_wait = time.monotonic() - t0
+        hist, st_mean, st_max = staleness_stats(batch)
+        m = trainer.train_step(batch)
+        t_train = time.monotonic() - t0 - t_wait
+        version += 1
+        sync_s = 0.0
+        if version % tr.sync_every == 0:
+            t1 = time.monotonic()
+            serving.publish_ref(version, trainer.state_dict_ref())
+            sync_s = time.monotonic() - t1
+        stats = ray.get(buffer.take_recent_stats.remote())
+        cstat = ray.get(controller.status.remote())
+        wstat = serving.weight_status()
+        step_s = time.monotonic() - t0
+        engine_idle = _engine_idle(wstat.get("engines", {}), last_engine)
+        last_engine = wstat.get("engines", {})
+        trained_tokens = sum(sum(s.mask) for s in batch.samples)
+        row = {
+            "step": step, "policy_version": version, "reward_mean": stats["reward_mean"],
+            "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
+            "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "entropy": m.get("entropy"),
+            "kl": m.get("kl"), "clip_frac": m.get("clip_frac"),
+            "tis_mismatch": m.get("mismatch_abs_mean", m.get("logp_mismatch_mean")),
+            "staleness_mean": st_mean, "staleness_max": st_max, "staleness_hist": hist,
+            "trainer_idle_frac": t_wait / step_s if step_s else 0.0,
+            "engine_idle_frac": engine_idle,
+            "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
+            "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
+            "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
+            "samples": len(batch.samples),
+            "in_flight_episodes": cstat["in_flight_episodes"],
+            **{k: v for k, v in stats.items() if k.startswith("count/")},
+            **{k: v for k, v in cstat.items() if k.startswith("count/")},
+        }
+        sink.log(row)
+        if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps:
+            save_checkpoint(run_dir, step, version, trainer, buffer, cstat, tr.keep_checkpoints)
+
+
+def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
+    fracs = []
+    for rep, h in now.items():
+        b = before.get(rep)
+        if b is None or "busy_s" not in h or "uptime_s" not in h:
+            continue
+        dt = h["uptime_s"] - b["uptime_s"]
+        if dt > 0:
+            fracs.append(1.0 - min(1.0, (h["busy_s"] - b["busy_s"]) / dt))
+    return sum(fracs) / len(fracs) if fracs else float("nan")
+
+
+def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, buffer: Any,
+                    cstat: dict[str, Any], keep: int) -> Path:
+    import ray
+
+    root = run_dir / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    trainer.save(tmp / "model")
+    (tmp / "buffer.msgpack").write_bytes(ray.get(buffer.state.remote()))
+    meta = {"step": step, "version": version, "groups_started": cstat["groups_started"],
+            "tasks_taken": cstat["tasks_taken"], "time": time.time()}
+    (tmp / CKPT_META).write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)  # complete or absent: a kill mid-save leaves only a .tmp dir
+    for old in sorted(root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _print_curve(rows: list[dict[str, Any]]) -> None:
+    pts = [(r["step"], r["reward_mean"]) for r in rows if isinstance(r.get("reward_mean"), int | float)]
+    if not pts:
+        return
+    first, best, last = pts[0][1], max(p[1] for p in pts), pts[-1][1]
+    print(f"reward: first step {first:.3f}, best {best:.3f}, last {last:.3f} over {len(pts)} steps")
+    width = 50
+    for s, v in pts[:: max(1, len(pts) // 20)]:
+        print(f"  step {s:>4} {v:5.3f} {'#' * round(v * width)}")
