@@ -76,7 +76,8 @@ class RolloutController:
         self.buffer = buffer
         self.publisher = publisher
         self.tasks = _task_stream(self.cfg.task_paths, self.cfg.task_limit)
-        self.requeued: collections.deque[Task] = collections.deque()
+        # (task, first batch index it may run in)
+        self.requeued: collections.deque[tuple[Task, int]] = collections.deque()
         self.inflight: dict[str, _Group] = {}
         self.started = 0  # groups that count towards batches (sets each group's batch index)
         self.seq = 0  # every group ever started (names)
@@ -89,6 +90,7 @@ class RolloutController:
         self._tail_task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
+        self._lost_in_a_row = 0
         self._rr = 0
 
     # ------------------------------------------------------------------ control
@@ -136,9 +138,9 @@ class RolloutController:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
-        while True:
+        while self._failure is None:
             await self._admit()
-            task = self.requeued.popleft() if self.requeued else self._take()
+            task = self._next_task(self.started // self.cfg.groups_per_batch)
             gid = f"g{self.seq:07d}-{task.id}"
             self.seq += 1
             refs = []
@@ -153,7 +155,11 @@ class RolloutController:
             w.add_done_callback(self._watchers.discard)
             w.add_done_callback(self._on_done)
 
-    def _take(self) -> Task:
+    def _next_task(self, batch: int) -> Task:
+        """A re-queued task once its batch is past the one it was cancelled from, else the
+        next task of the stream."""
+        if self.requeued and self.requeued[0][1] <= batch:
+            return self.requeued.popleft()[0]
         self.tasks_taken += 1
         return next(self.tasks)
 
@@ -163,8 +169,9 @@ class RolloutController:
             batch = self.started // gpb
             need = batch - self.cfg.max_staleness
             if need > self.served_version:
+                # short waits: a tail cancellation may move `started` back meanwhile
                 self.served_version = await self.publisher.wait_applied.remote(
-                    need, self.cfg.engine_replicas, 3600.0)
+                    need, self.cfg.engine_replicas, 1.0)
                 continue
             if len(self.inflight) >= self.cfg.max_in_flight_groups:
                 await self._wait()
@@ -198,13 +205,18 @@ class RolloutController:
         except Exception as exc:  # an env actor died: its episodes are infra failures
             log.warning("group %s lost episodes: %r", gid, exc)
             self.counts["groups_lost"] += 1
+            self._lost_in_a_row += 1
+            if self._lost_in_a_row > 2 * self.cfg.max_in_flight_groups:
+                self._failure = RuntimeError(
+                    f"{self._lost_in_a_row} groups in a row lost their episodes; last: {exc!r}")
             if self.inflight.pop(gid, None) is not None:
                 self.started -= 1
-            self.requeued.append(g.task)
+            self.requeued.append((g.task, g.batch))
             self._notify()
             return
         if self.inflight.pop(gid, None) is None:
             return
+        self._lost_in_a_row = 0
         self.done_times[g.batch].append(time.monotonic() - g.started)
         await self.buffer.add_group.remote(gid, g.task.id, [g.refs])
         self.counts["groups_done"] += 1
@@ -229,7 +241,7 @@ class RolloutController:
                     self.inflight.pop(gid)
                     for r in g.refs:
                         ray.cancel(r)
-                    self.requeued.append(g.task)
+                    self.requeued.append((g.task, g.batch + 1))  # not in the batch it stalled
                     self.counts["tail_cancelled_groups"] += 1
                     log.info("tail-cancelled %s after %.1fs (limit %.1fs)", gid, now - g.started, limit)
                     self.started -= 1  # its slot in the batch goes to the next group

@@ -1,0 +1,74 @@
+"""The trajectory buffer: groups, advantages with infra failures excluded, staleness, batches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rl360.actors.buffer import TrajectoryBuffer
+from rl360.types import Reward, Trajectory
+
+
+def traj(reward: float | None, version: int = 0, status: str = "ok", task: str = "t") -> Trajectory:
+    return Trajectory(
+        session_id="s", tokens=[1, 2, 3, 4], mask=[0, 0, 1, 1], logprobs=[None, None, -0.5, -0.7],
+        versions=[None, None, version, version], provenance=["prompt"] * 2 + ["generated"] * 2,
+        task_id=task, group_id="g", reward=None if reward is None else Reward(reward),
+        status=status,  # type: ignore[arg-type]
+    )
+
+
+def make(**kw) -> TrajectoryBuffer:  # type: ignore[no-untyped-def]
+    cfg = {"group_size": 4, "groups_per_batch": 1, "max_staleness": 1, "advantage": "grpo", **kw}
+    return TrajectoryBuffer(cfg)
+
+
+async def test_infra_failure_does_not_move_the_other_advantages() -> None:
+    clean, with_infra = make(), make()
+    clean.add_trajectories("g", "t", [traj(1.0), traj(0.0), traj(0.5)])
+    with_infra.add_trajectories("g", "t", [traj(1.0), traj(0.0), traj(None, status="infra_error"),
+                                          traj(0.5)])
+    a = [s.advantage for s in (await clean.next_batch(0, 1)).samples]  # type: ignore[union-attr]
+    b = (await with_infra.next_batch(0, 1))
+    assert b is not None and len(b.samples) == 3  # the infra sample is not trained on
+    assert [s.advantage for s in b.samples] == pytest.approx(a)
+    stats = await with_infra.take_recent_stats()
+    assert stats["episodes"] == 3 and stats["reward_mean"] == pytest.approx(0.5)
+
+
+async def test_zero_variance_groups_are_filtered_but_still_counted_in_the_reward() -> None:
+    buf = make(filter_zero_variance=True)
+    buf.add_trajectories("g1", "t", [traj(1.0)] * 4)
+    assert await buf.size() == 0
+    stats = await buf.take_recent_stats()
+    assert stats["reward_mean"] == 1.0 and stats["count/groups_zero_variance"] == 1
+
+
+async def test_stale_groups_are_dropped_and_fresh_ones_batched() -> None:
+    buf = make(max_staleness=1)
+    buf.add_trajectories("old", "t", [traj(1.0, version=0), traj(0.0, version=0)])
+    buf.add_trajectories("new", "t", [traj(1.0, version=2), traj(0.0, version=2)])
+    batch = await buf.next_batch(trainer_version=2, step=3)
+    assert batch is not None and {s.versions[-1] for s in batch.samples} == {2}
+    assert (await buf.take_recent_stats())["count/groups_dropped_stale"] == 1
+
+
+async def test_next_batch_waits_for_a_full_batch() -> None:
+    buf = make(groups_per_batch=2)
+    waiter = asyncio.create_task(buf.next_batch(0, 1, timeout_s=5))
+    buf.add_trajectories("g1", "t", [traj(1.0), traj(0.0)])
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    buf.add_trajectories("g2", "t", [traj(1.0), traj(0.0)])
+    batch = await waiter
+    assert batch is not None and len(batch.samples) == 4
+    assert await buf.next_batch(0, 2, timeout_s=0.05) is None
+
+
+async def test_state_round_trip() -> None:
+    buf = make(groups_per_batch=2)
+    buf.add_trajectories("g1", "t", [traj(1.0), traj(0.0)])
+    other = make(groups_per_batch=2)
+    await other.load_state(await buf.state())
+    assert await other.size() == 1
