@@ -1,8 +1,10 @@
 """Evaluators for greedy soup: a callable `Path -> float` (higher is better).
 
-The recipe form `evaluator = "evals/heldout.toml"` runs `rl360 eval <recipe> --model <dir>`
-and reads one number (default key `mean_reward`, dotted paths allowed) from the last JSON
-object the command prints on stdout.
+The recipe form `evaluator = "recipes/heldout-eval.toml"` runs
+`rl360 eval <recipe> --model <dir> --set run.out_dir=<tmp> --set run.name=greedy-soup` and reads
+one number from the JSON summary that command writes (`<tmp>/greedy-soup/eval_summary.json`),
+or failing that from the last JSON object it prints. The number is found at the dotted key
+`metric` (default `mean_reward`), looked up at the top level and then under `overall`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,26 +21,32 @@ from typing import Any
 from rl360.merge.errors import MergeError
 
 Evaluator = Callable[[Path], float]
+RUN_NAME = "greedy-soup"
+
+
+def metric_of(data: Any, metric: str = "mean_reward") -> float:
+    """The number at dotted key `metric` of `data` (or of `data["overall"]`)."""
+    for root in (data, data.get("overall") if isinstance(data, dict) else None):
+        value = root
+        for key in metric.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise MergeError(f"evaluator: {metric!r} is {value!r}, not a number")
+            return float(value)
+    raise MergeError(f"evaluator: the eval summary has no key {metric!r}")
 
 
 def read_metric(stdout: str, metric: str = "mean_reward") -> float:
-    """The number at dotted key `metric` of the last JSON object line of `stdout`."""
+    """The metric from the last JSON object line of `stdout`."""
     for line in reversed(stdout.strip().splitlines()):
         line = line.strip()
-        if not line.startswith("{"):
-            continue
-        try:
-            value: Any = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        for key in metric.split("."):
-            if not isinstance(value, dict) or key not in value:
-                raise MergeError(f"evaluator: the JSON output has no key {metric!r}")
-            value = value[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise MergeError(f"evaluator: {metric!r} is {value!r}, not a number")
-        return float(value)
-    raise MergeError("evaluator: `rl360 eval` printed no JSON object")
+        if line.startswith("{"):
+            try:
+                return metric_of(json.loads(line), metric)
+            except json.JSONDecodeError:
+                continue
+    raise MergeError("evaluator: `rl360 eval` wrote no summary and printed no JSON object")
 
 
 def rl360_command() -> list[str]:
@@ -59,11 +68,20 @@ def recipe_evaluator(
         raise MergeError(f"method.evaluator: {recipe} is not a file")
 
     def score(model_dir: Path) -> float:
-        cmd = [*(command or rl360_command()), "eval", str(recipe), "--model", str(model_dir)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise MergeError(f"evaluator: `{' '.join(cmd)}` exited {proc.returncode}: {tail}")
-        return read_metric(proc.stdout, metric)
+        with tempfile.TemporaryDirectory(prefix="rl360-greedy-eval-") as tmp:
+            cmd = [
+                *(command or rl360_command()), "eval", str(recipe), "--model", str(model_dir),
+                "--set", f"run.out_dir={json.dumps(tmp)}", "--set", f"run.name={json.dumps(RUN_NAME)}",
+            ]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                raise MergeError(
+                    f"evaluator: `{' '.join(cmd[:5])}` exited {proc.returncode}: {tail}"
+                )
+            summary = Path(tmp, RUN_NAME, "eval_summary.json")
+            if summary.is_file():
+                return metric_of(json.loads(summary.read_text()), metric)
+            return read_metric(proc.stdout, metric)
 
     return score

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,14 +121,18 @@ class Checkpoint:
                 f"{label} {self.path}: tensor {sorted(missing)[0]} is in the index but not in its shard"
             )
 
-    def read(self, name: str) -> torch.Tensor:
-        """The tensor `name` as stored (its own dtype), in a fresh buffer."""
+    def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name` as stored (its own dtype), in a fresh buffer or in the first bytes
+        of `out` (a 1-D uint8 tensor at least that large, reused by the caller)."""
         import torch
 
         info = self.infos[name]
         if self.reader == "safetensors":
-            return self._safe_open(info.file).get_tensor(name)
-        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+            value = self._safe_open(info.file).get_tensor(name)
+            if out is None:
+                return value
+            return out[: info.nbytes].view(value.dtype).view(value.shape).copy_(value)
+        buf = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out[: info.nbytes]
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(self.path / info.file, os.O_RDONLY)
@@ -180,14 +185,28 @@ class ShardWriter:
         self._f.write(blob)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor whole."""
+        want, _, shape, _ = self._expect[self._next]
+        if tuple(tensor.shape) != shape:
+            raise RuntimeError(f"{self.path.name}: {want} should have shape {list(shape)}")
+        self.write_parts(name, [tensor])
+
+    def write_parts(self, name: str, parts: Iterable[torch.Tensor]) -> None:
+        """Write the next tensor as consecutive pieces of its flattened data."""
         import torch
 
-        want, code, shape, n = self._expect[self._next]
-        if name != want or tuple(tensor.shape) != shape or tensor.dtype != torch_dtype(code):
-            raise RuntimeError(f"{self.path.name}: expected {want} {code}{list(shape)}, got {name}")
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        assert data.nbytes == n
-        self._f.write(memoryview(data))
+        want, code, _, n = self._expect[self._next]
+        if name != want:
+            raise RuntimeError(f"{self.path.name}: expected {want} next, got {name}")
+        dtype, done = torch_dtype(code), 0
+        for part in parts:
+            if part.dtype != dtype:
+                raise RuntimeError(f"{self.path.name}: {name} should be {code}, got {part.dtype}")
+            data = part.contiguous().reshape(-1).view(torch.uint8).numpy()
+            self._f.write(memoryview(data))
+            done += data.nbytes
+        if done != n:
+            raise RuntimeError(f"{self.path.name}: {name} got {done} bytes, expected {n}")
         self._next += 1
 
     def abort(self) -> None:

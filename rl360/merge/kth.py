@@ -37,8 +37,8 @@ def fine_hist(x: torch.Tensor, hi: int) -> np.ndarray:
     import torch
 
     bits = _abs_bits(x)
-    sel = bits[torch.bitwise_right_shift(bits, 16) == hi]
-    return torch.bincount(sel & 0xFFFF, minlength=BINS).numpy()
+    lo = torch.where(torch.bitwise_right_shift(bits, 16) == hi, bits & 0xFFFF, BINS)
+    return torch.bincount(lo, minlength=BINS + 1)[:BINS].numpy()
 
 
 def locate(hist: np.ndarray, k: int) -> tuple[int, int]:

@@ -157,16 +157,19 @@ def ram(
     count = torch.zeros(taus[0].shape, dtype=torch.int32)
     for m in masks:
         count += m
-    shared = count >= 2
-    # per-element divisor: c for shared, 1/lambda_j for unique (applied per expert below)
-    inv_c = 1.0 / count.clamp(min=1).to(torch.float32)
-    delta = torch.zeros_like(taus[0])
-    mass = []
-    for tau, w, lam, m in zip(taus, weights, lambdas, masks, strict=True):
-        scale = torch.where(shared, inv_c, float(lam)) * float(w)
-        contrib = torch.where(m, tau * scale, 0.0)
-        delta.add_(contrib)
-        mass.append(_l1(contrib))
+    num = torch.zeros_like(taus[0])
+    kept = []
+    for tau, w, m in zip(taus, weights, masks, strict=True):
+        kept.append(torch.where(m, tau, 0.0))
+        num.add_(kept[-1], alpha=float(w))
+    # divisor: c where c >= 2, 1 / lambda_j where only expert j is active, 1 where none is
+    div = count.clamp(min=1).to(torch.float32)
+    if any(lam != 1.0 for lam in lambdas):
+        unique = count == 1
+        for m, lam in zip(masks, lambdas, strict=True):
+            div.masked_fill_(m & unique, 1.0 / float(lam))
+    delta = num.div_(div)
+    mass = [abs(float(w)) * _l1(k / div) for k, w in zip(kept, weights, strict=True)]
     return Merged(delta, mass)
 
 

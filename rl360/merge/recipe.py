@@ -176,7 +176,7 @@ class Output(Struct, forbid_unknown_fields=True):
 class Run(Struct, forbid_unknown_fields=True):
     ray: bool = False
     progress: bool = True
-    chunk_elements: Annotated[int, Meta(ge=1024)] = 1 << 20
+    chunk_elements: Annotated[int, Meta(ge=1024)] = 1 << 18
     reader: Literal["pread", "safetensors"] = "pread"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,12 +21,10 @@ from rl360.merge import io
 from rl360.merge import recipe as R
 from rl360.merge.errors import MergeError
 from rl360.merge.report import Stats, Summary
-from rl360.merge.strategies import Group, Method, add_partials, build_method
+from rl360.merge.strategies import Group, Method, Parts, add_partials, build_method
 
 if TYPE_CHECKING:
     import torch
-
-    from rl360.merge.methods import Merged
 
 Tick = Callable[[int], None] | None
 SUMMARY_FILE = "merge_summary.json"
@@ -115,21 +113,60 @@ def plan(
     return shards, read
 
 
+class Pool:
+    """Named buffers reused from tensor to tensor: without them every tensor of the model
+    would get fresh pages from the OS for its base, task vectors and reads (page faults are
+    a large share of a merge's time). Each buffer grows to the largest tensor it has held."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def bytes(self, key: str, nbytes: int) -> torch.Tensor:
+        import torch
+
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._bufs.pop(key, None)
+            buf = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        return self.bytes(key, n).view(dtype).view(shape)
+
+
+def _read32(
+    ck: io.Checkpoint, entry: Entry, pool: Pool, key: str, raw_key: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor as stored, the same in fp32) read into pooled buffers."""
+    import torch
+
+    info = ck.infos[entry.name]
+    if info.dtype == "F32":
+        value = ck.read(entry.name, pool.bytes(key, info.nbytes))
+        return value, value
+    raw = ck.read(entry.name, pool.bytes(raw_key, info.nbytes))
+    return raw, pool.tensor(key, entry.shape, torch.float32).copy_(raw)
+
+
 def load_group(
-    entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], method: Method
+    entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], method: Method, pool: Pool
 ) -> Group:
     import torch
 
-    base_raw = base.read(entry.name)
-    base32 = base_raw if base_raw.dtype == torch.float32 else base_raw.float()
+    base_raw, base32 = _read32(base, entry, pool, "base", "raw-base")
     gates: list[torch.Tensor] | None = [] if method.uses_gates else None
     taus = []
-    for ck in experts:
-        raw = ck.read(entry.name)
+    for i, ck in enumerate(experts):
+        raw, tau = _read32(ck, entry, pool, f"tau{i}", "raw-expert")
         if gates is not None:
-            gates.append(method.gate(entry.name, base_raw, raw))
-        tau = raw if raw.dtype == torch.float32 else raw.float()
-        del raw
+            gates.append(
+                method.gate(
+                    entry.name, base_raw, raw, pool.tensor(f"gate{i}", entry.shape, torch.bool)
+                )
+            )
         taus.append(tau.sub_(base32))
     return Group(entry.name, entry.shape, base32, taus, gates)
 
@@ -150,38 +187,43 @@ def copy_checked(
     return value
 
 
-def finalize(
-    g: Group, merged: Merged, out_code: str, snap: bool, chunk: int
-) -> tuple[torch.Tensor, Stats]:
-    """theta_0 + delta cast to the output dtype, with the change / absorption counters."""
-    import torch
+def write_merged(
+    writer: io.ShardWriter, entry: Entry, g: Group, parts: Parts, snap: bool, chunk: int
+) -> Stats:
+    """Write theta_0 + delta, part by part, in the output dtype, counting changed and
+    absorbed entries (and snapping absorbed ones one step under the "snap" policy)."""
 
     from rl360.merge import ulp
 
-    dtype = io.torch_dtype(out_code)
-    out = torch.empty(g.shape, dtype=dtype)
-    b, d, o = g.base32.reshape(-1), merged.delta.reshape(-1), out.reshape(-1)
-    st = Stats(tensors=1, elements=o.numel(), mass=list(merged.mass))
-    st.bf16_elements = o.numel() if out_code in ("BF16", "F16") else 0
-    for s in range(0, o.numel(), chunk):
-        sl = slice(s, s + chunk)
-        bc, dc = b[sl], d[sl]
-        full = bc + dc
-        oc, start = full.to(dtype), bc.to(dtype)
-        nz = dc != 0
-        lost = nz & (oc == start)
-        st.nonzero += int(nz.sum())
-        st.absorbed += int(lost.sum())
-        if out_code != "BF16":
-            st.absorbed_bf16 += int((nz & (full.bfloat16() == bc.bfloat16())).sum())
-        if snap and bool(lost.any()):
-            oc = ulp.snap(oc, bc, dc, lost)
-            st.snapped += int(lost.sum())
-        st.changed += int((oc != start).sum())
-        o[sl] = oc
-    if out_code == "BF16":
+    dtype = io.torch_dtype(entry.out_dtype)
+    st = Stats(tensors=1, elements=g.base32.numel(), mass=[0.0] * len(g.taus))
+    st.bf16_elements = st.elements if entry.out_dtype in ("BF16", "F16") else 0
+    base = g.base32.reshape(-1)
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for sl, merged in parts:
+            st.mass = [a + b for a, b in zip(st.mass, merged.mass, strict=True)]
+            delta = merged.delta.reshape(-1)
+            for s in range(0, delta.numel(), chunk):  # an Iso part is a whole matrix
+                bc, dc = base[sl][s : s + chunk], delta[s : s + chunk]
+                full = bc + dc
+                oc, start = full.to(dtype), bc.to(dtype)
+                nz = dc != 0
+                lost = nz & (oc == start)
+                st.nonzero += int(nz.sum())
+                st.absorbed += int(lost.sum())
+                if entry.out_dtype != "BF16":
+                    st.absorbed_bf16 += int((nz & (full.bfloat16() == bc.bfloat16())).sum())
+                if snap and bool(lost.any()):
+                    oc = ulp.snap(oc, bc, dc, lost)
+                    st.snapped += int(lost.sum())
+                st.changed += int((oc != start).sum())
+                yield oc
+
+    writer.write_parts(entry.name, pieces())
+    if entry.out_dtype == "BF16":
         st.absorbed_bf16 = st.absorbed
-    return out, st
+    return st
 
 
 def _threads(job: Job) -> None:
@@ -196,12 +238,12 @@ def collect_shard(job: Job, method: Method, p: int, idx: int, tick: Tick = None)
     _threads(job)
     base, experts = job.open()
     total = None
+    pool = Pool()
     try:
         for entry in job.shards[idx]:
             if entry.is_float:
-                total = add_partials(
-                    total, method.collect(p, load_group(entry, base, experts, method))
-                )
+                g = load_group(entry, base, experts, method, pool)
+                total = add_partials(total, method.collect(p, g))
             if tick:
                 tick(1)
     finally:
@@ -221,21 +263,17 @@ def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
         [(e.name, e.out_dtype, e.shape) for e in entries],
     )
     stats = Stats(mass=[0.0] * len(experts))
+    pool = Pool()
     try:
         for entry in entries:
             if entry.is_float:
-                g = load_group(entry, base, experts, method)
-                merged = method.merge(g)
-                g.taus.clear()
-                g.gates = None
-                out, st = finalize(g, merged, entry.out_dtype, method.snap, method.chunk)
-                del g, merged
-                stats.add(st)
+                g = load_group(entry, base, experts, method, pool)
+                stats.add(
+                    write_merged(writer, entry, g, method.merge(g), method.snap, method.chunk)
+                )
             else:
-                out = copy_checked(entry, base, experts)
+                writer.write(entry.name, copy_checked(entry, base, experts))
                 stats.copied += 1
-            writer.write(entry.name, out)
-            del out
             if tick:
                 tick(1)
     except BaseException:
@@ -251,7 +289,11 @@ def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
 
 
 def _ray_map(
-    fn: Callable[..., Any], job: Job, method: Method, args: list[tuple[Any, ...]], bar: Any,
+    fn: Callable[..., Any],
+    job: Job,
+    method: Method,
+    args: list[tuple[Any, ...]],
+    bar: Any,
     reduce: Callable[[Any], None] | None = None,
 ) -> list[Any]:
     """Run fn(job, method, *a) as one Ray task per shard. With `reduce`, each result is handed
@@ -288,7 +330,9 @@ def execute(job: Job, method: Method, use_ray: bool = False, progress: bool = Tr
     from tqdm import tqdm
 
     n = sum(len(s) for s in job.shards)
-    bar = tqdm(total=n * (method.passes + 1), unit="tensor", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=n * (method.passes + 1), unit="tensor", disable=not progress, dynamic_ncols=True
+    )
     with bar:
         for p in range(method.passes):
             bar.set_description(f"{method.name} stats {p + 1}/{method.passes}")

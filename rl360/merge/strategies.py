@@ -11,7 +11,7 @@ integer counts) and handing the total to `finish`.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 Kernel = Callable[[list["torch.Tensor"], "list[torch.Tensor] | None", int], K.Merged]
+Parts = Iterator[tuple[slice, K.Merged]]  # (slice of the flattened tensor, its merged delta)
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Method:
     fp32_default: ClassVar[bool] = False  # a bf16 save would erase this method's updates
     uses_gates: ClassVar[bool] = False
 
-    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 20) -> None:
+    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         self.cfg = cfg
         self.weights = [float(w) for w in weights]
         self.n = len(self.weights)
@@ -76,26 +77,20 @@ class Method:
     def finish(self, p: int, total: Any) -> None:
         raise NotImplementedError
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         raise NotImplementedError
 
     # --- helpers -----------------------------------------------------------------------
     def slices(self, numel: int) -> list[slice]:
         return [slice(s, min(s + self.chunk, numel)) for s in range(0, max(numel, 1), self.chunk)]
 
-    def chunked(self, g: Group, fn: Kernel) -> K.Merged:
-        """Apply a kernel chunk by chunk over the flattened tensor."""
-        import torch
-
+    def chunked(self, g: Group, fn: Kernel) -> Parts:
+        """Apply a kernel chunk by chunk over the flattened tensor, yielding each chunk's
+        merged delta (the runner writes it out before the next one is computed)."""
         flat = [t.reshape(-1) for t in g.taus]
         gates = [m.reshape(-1) for m in g.gates] if g.gates is not None else None
-        delta = torch.empty(flat[0].numel(), dtype=torch.float32)
-        mass = [0.0] * self.n
-        for ci, sl in enumerate(self.slices(delta.numel())):
-            r = fn([t[sl] for t in flat], [m[sl] for m in gates] if gates else None, ci)
-            delta[sl] = r.delta
-            mass = [a + b for a, b in zip(mass, r.mass, strict=True)]
-        return K.Merged(delta.reshape(g.shape), mass)
+        for ci, sl in enumerate(self.slices(flat[0].numel())):
+            yield sl, fn([t[sl] for t in flat], [m[sl] for m in gates] if gates else None, ci)
 
     def over_chunks(self, g: Group, fn: Callable[[list[torch.Tensor], int], Any]) -> Any:
         flat = [t.reshape(-1) for t in g.taus]
@@ -111,14 +106,14 @@ class Method:
 class Soup(Method):
     name = "soup"
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         return self.chunked(g, lambda t, _m, _c: K.soup(t, self.weights))
 
 
 class TaskArithmetic(Method):
     name = "task_arithmetic"
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         c = self.cfg
         return self.chunked(
             g, lambda t, _m, _c: K.task_arithmetic(t, self.weights, c.lam, c.normalize)
@@ -132,7 +127,7 @@ class Ties(Method):
 
     name = "ties"
 
-    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 20) -> None:
+    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         super().__init__(cfg, weights, chunk)
         self.model_scope = cfg.scope == "model"
         self.passes = 3 if self.model_scope else 0
@@ -183,7 +178,7 @@ class Ties(Method):
             kth.fine_hist(t, b[0]) for t, b in zip(taus, bins, strict=True)])  # fmt: skip
         return [kth.value(b[0], kth.locate(h, b[1])[0]) for h, b in zip(fine, bins, strict=True)]
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         thr = self.thresholds if self.model_scope else self.tensor_thresholds(g)
 
         def kernel(taus: list[torch.Tensor], _m: Any, _c: int) -> K.Merged:
@@ -226,7 +221,7 @@ class DareLinear(Method):
     def combine(self, dropped: list[torch.Tensor]) -> K.Merged:
         return K.linear(dropped, [self.cfg.lam * w for w in self.weights])
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         f = self.factors(g)
 
         def kernel(taus: list[torch.Tensor], _m: Any, ci: int) -> K.Merged:
@@ -253,7 +248,7 @@ class Ram(Method):
     name = "ram"
     fp32_default = True
 
-    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 20) -> None:
+    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         super().__init__(cfg, weights, chunk)
         self.rescale = getattr(cfg, "rescale_factor", 1.0) != 1.0
         self.model_scope = getattr(cfg, "scope", "tensor") == "model"
@@ -281,7 +276,7 @@ class Ram(Method):
     def finish(self, p: int, total: Any) -> None:
         self.lambdas = K.ram_plus_lambdas(*total, self.cfg.rescale_factor, self.cfg.alpha)
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         lambdas = self.lambdas
         if self.rescale and not self.model_scope:
             lambdas = K.ram_plus_lambdas(*self.counts(g), self.cfg.rescale_factor, self.cfg.alpha)
@@ -301,32 +296,32 @@ class UlpGate(Ram):
     name = "ulp_gate"
     uses_gates = True
 
-    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 20) -> None:
+    def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         super().__init__(cfg, weights, chunk)
         self.snap = cfg.policy == "snap"
 
     def out_dtype(self, base_code: str) -> str:
         return "F32" if self.cfg.policy == "fp32" else base_code
 
-    def gate(self, name: str, base_raw: torch.Tensor, expert_raw: torch.Tensor) -> torch.Tensor:
-        import torch
-
+    def gate(
+        self, name: str, base_raw: torch.Tensor, expert_raw: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
         from rl360.merge import ulp
 
-        out = torch.empty(base_raw.numel(), dtype=torch.bool)
+        flat = out.reshape(-1)
         b, e = base_raw.reshape(-1), expert_raw.reshape(-1)
         try:
-            for sl in self.slices(out.numel()):
-                out[sl] = ulp.steps(b[sl], e[sl]) >= self.cfg.gate
+            for sl in self.slices(flat.numel()):
+                flat[sl] = ulp.steps(b[sl], e[sl]) >= self.cfg.gate
         except ValueError as err:
             raise MergeError(f"tensor {name}: ulp_gate: {err}") from None
-        return out.reshape(base_raw.shape)
+        return out
 
 
 class GramSoup(Method):
     name = "gram_soup"
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         m = K.gram_multiplicity(self.gram(g))
         coefs = [self.cfg.lam * w / float(mi) for w, mi in zip(self.weights, m, strict=True)]
         return self.chunked(g, lambda t, _m, _c: K.linear(t, coefs))
@@ -335,7 +330,7 @@ class GramSoup(Method):
 class ModelStock(Method):
     name = "model_stock"
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         t = K.model_stock_t(self.gram(g))
         total = sum(self.weights)
         return self.chunked(g, lambda x, _m, _c: K.linear(x, [t * w / total for w in self.weights]))
@@ -347,9 +342,10 @@ class IsoC(Method):
 
     name = "iso_c"
 
-    def merge(self, g: Group) -> K.Merged:
+    def merge(self, g: Group) -> Parts:
         if len(g.shape) == 2 and not any(p in g.name for p in self.cfg.average):
-            return self.iso(g)
+            m = self.iso(g)  # the SVD needs the whole matrix: one part
+            return iter([(slice(0, m.delta.numel()), K.Merged(m.delta.reshape(-1), m.mass))])
         coefs = [self.cfg.alpha * w / self.n for w in self.weights]
         return self.chunked(g, lambda t, _m, _c: K.linear(t, coefs))
 
@@ -381,7 +377,7 @@ METHODS: dict[str, type[Method]] = {
 }
 
 
-def build_method(cfg: R.MethodConfig, weights: Sequence[float], chunk: int = 1 << 20) -> Method:
+def build_method(cfg: R.MethodConfig, weights: Sequence[float], chunk: int = 1 << 18) -> Method:
     """The strategy for a recipe's [method] table."""
     name = type(cfg).__struct_config__.tag
     if name == "model_stock" and len(weights) < 2:

@@ -263,17 +263,29 @@ def test_greedy_soup_with_a_callable_evaluator(ckpt, tmp_path):
     assert seen[:3] == ["c", "a", "b"] and len(seen) == 5
 
 
-def test_recipe_evaluator_reads_mean_reward(tmp_path):
+def test_recipe_evaluator_reads_the_eval_summary(tmp_path):
+    """A stand-in for `rl360 eval` that writes eval_summary.json where --set run.* says."""
     script = tmp_path / "fake_rl360.py"
     script.write_text(
-        "import json, sys\n"
-        "print('progress...')\n"
-        "print(json.dumps({'mean_reward': 0.25 if sys.argv[-1].endswith('x') else 0.5}))\n"
+        "import json, pathlib, sys\n"
+        "a = sys.argv[1:]\n"
+        "assert a[0] == 'eval' and a[2] == '--model'\n"
+        "sets = dict(v.split('=', 1) for k, v in zip(a, a[1:]) if k == '--set')\n"
+        "run = pathlib.Path(json.loads(sets['run.out_dir']), json.loads(sets['run.name']))\n"
+        "run.mkdir(parents=True)\n"
+        "reward = 0.25 if a[3].endswith('x') else 0.5\n"
+        "(run / 'eval_summary.json').write_text(json.dumps({'rows': [], 'overall': {'mean_reward': reward}}))\n"
+        "print('task table ...')\n"
     )
     recipe = tmp_path / "eval.toml"
     recipe.write_text("")
     score = recipe_evaluator(recipe, command=[sys.executable, str(script)])
     assert score(tmp_path / "x") == 0.25 and score(tmp_path / "y") == 0.5
-    assert read_metric('{"reward": {"mean": 3}}', "reward.mean") == 3.0
+    assert read_metric('noise\n{"reward": {"mean": 3}}', "reward.mean") == 3.0
     with pytest.raises(MergeError, match="no key"):
         read_metric('{"other": 1}')
+    failing = recipe_evaluator(
+        recipe, command=[sys.executable, "-c", "import sys; sys.exit('boom')"]
+    )
+    with pytest.raises(MergeError, match="exited 1: boom"):
+        failing(tmp_path)
