@@ -1,0 +1,278 @@
+"""Work on one output shard: plan the output layout, read a tensor group into reused buffers,
+merge it and stream the result into the shard file, or collect a statistics pass.
+
+`collect_shard` and `merge_shard` are what a Ray task runs; the serial path calls the same
+functions, which is why the two paths write byte-identical files. Per tensor they hold the
+base and the N task vectors in fp32 plus O(chunk) temporaries: about (N + 2) x the largest
+tensor, whatever the model size (tests/merge/test_merge_memory.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rl360.merge import io
+from rl360.merge.errors import MergeError
+from rl360.merge.report import Stats
+from rl360.merge.strategies import Group, Method, Parts, add_partials
+
+if TYPE_CHECKING:
+    import torch
+
+Tick = Callable[[int], None] | None
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    out_dtype: str
+    is_float: bool
+
+
+@dataclass
+class Job:
+    """Everything a shard worker needs (picklable, sent to Ray tasks)."""
+
+    base: str
+    experts: list[str]
+    labels: list[str]
+    out_dir: str
+    reader: str
+    threads: int
+    shards: list[list[Entry]]
+    bytes_per_pass: int
+
+    def open(self) -> tuple[io.Checkpoint, list[io.Checkpoint]]:
+        base = io.Checkpoint(self.base, "base", self.reader)
+        experts = [
+            io.Checkpoint(p, f"expert '{n}'", self.reader)
+            for p, n in zip(self.experts, self.labels, strict=True)
+        ]
+        return base, experts
+
+
+def plan(
+    base: io.Checkpoint,
+    experts: Sequence[io.Checkpoint],
+    labels: Sequence[str],
+    method: Method,
+    dtype: str,
+    max_shard_bytes: int,
+) -> tuple[list[list[Entry]], int]:
+    """Check that the experts match the base and lay the output out in shards."""
+    for ck, label in zip(experts, labels, strict=True):
+        if extra := [n for n in ck.infos if n not in base.infos]:
+            raise MergeError(
+                f"expert '{label}': tensor {extra[0]} is not in the base ({len(extra)} such)"
+            )
+    entries, sizes, read = [], [], 0
+    for name, info in base.infos.items():
+        for ck, label in zip(experts, labels, strict=True):
+            other = ck.infos.get(name)
+            if other is None:
+                raise MergeError(f"expert '{label}': tensor {name} is missing (the base has it)")
+            if other.shape != info.shape:
+                raise MergeError(
+                    f"tensor {name}: shape {list(other.shape)} in expert '{label}' but "
+                    f"{list(info.shape)} in the base"
+                )
+            if other.is_float != info.is_float or (not info.is_float and other.dtype != info.dtype):
+                raise MergeError(
+                    f"tensor {name}: dtype {other.dtype} in expert '{label}' but {info.dtype} in the base"
+                )
+            read += other.nbytes
+        read += info.nbytes
+        if info.is_float:
+            out = method.out_dtype(info.dtype) if dtype == "auto" else io.NAME_OF[dtype]
+        else:
+            out = info.dtype
+        entries.append(Entry(name, info.shape, out, info.is_float))
+        sizes.append(io.ITEMSIZE[out] * info.numel)
+    shards: list[list[Entry]] = [[]]
+    used = 0
+    for entry, size in zip(entries, sizes, strict=True):
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(entry)
+        used += size
+    return shards, read
+
+
+class Pool:
+    """Named buffers reused from tensor to tensor: without them every tensor of the model
+    would get fresh pages from the OS for its base, task vectors and reads (page faults are
+    a large share of a merge's time). Each buffer grows to the largest tensor it has held."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def bytes(self, key: str, nbytes: int) -> torch.Tensor:
+        import torch
+
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self._bufs.pop(key, None)
+            buf = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
+
+    def tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        return self.bytes(key, n).view(dtype).view(shape)
+
+
+def _read32(
+    ck: io.Checkpoint, entry: Entry, pool: Pool, key: str, raw_key: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor as stored, the same in fp32) read into pooled buffers."""
+    import torch
+
+    info = ck.infos[entry.name]
+    if info.dtype == "F32":
+        value = ck.read(entry.name, pool.bytes(key, info.nbytes))
+        return value, value
+    raw = ck.read(entry.name, pool.bytes(raw_key, info.nbytes))
+    return raw, pool.tensor(key, entry.shape, torch.float32).copy_(raw)
+
+
+def load_group(
+    entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], method: Method, pool: Pool
+) -> Group:
+    import torch
+
+    base_raw, base32 = _read32(base, entry, pool, "base", "raw-base")
+    gates: list[torch.Tensor] | None = [] if method.uses_gates else None
+    taus = []
+    for i, ck in enumerate(experts):
+        raw, tau = _read32(ck, entry, pool, f"tau{i}", "raw-expert")
+        if gates is not None:
+            gates.append(
+                method.gate(
+                    entry.name, base_raw, raw, pool.tensor(f"gate{i}", entry.shape, torch.bool)
+                )
+            )
+        taus.append(tau.sub_(base32))
+    return Group(entry.name, entry.shape, base32, taus, gates)
+
+
+def copy_checked(
+    entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint]
+) -> torch.Tensor:
+    """A non-float tensor: the base's, after checking every expert has the same values."""
+    import torch
+
+    value = base.read(entry.name)
+    for ck in experts:
+        if not torch.equal(ck.read(entry.name), value):
+            raise MergeError(
+                f"tensor {entry.name}: non-float tensor differs between {ck.label} and the base "
+                "(non-float tensors are copied, not merged)"
+            )
+    return value
+
+
+def write_merged(
+    writer: io.ShardWriter, entry: Entry, g: Group, parts: Parts, snap: bool, chunk: int
+) -> Stats:
+    """Write theta_0 + delta, part by part, in the output dtype, counting changed and
+    absorbed entries (and snapping absorbed ones one step under the "snap" policy)."""
+
+    from rl360.merge import ulp
+
+    dtype = io.torch_dtype(entry.out_dtype)
+    st = Stats(tensors=1, elements=g.base32.numel(), mass=[0.0] * len(g.taus))
+    st.bf16_elements = st.elements if entry.out_dtype in ("BF16", "F16") else 0
+    base = g.base32.reshape(-1)
+
+    def pieces() -> Iterator[torch.Tensor]:
+        for sl, merged in parts:
+            st.mass = [a + b for a, b in zip(st.mass, merged.mass, strict=True)]
+            delta = merged.delta.reshape(-1)
+            for s in range(0, delta.numel(), chunk):  # an Iso part is a whole matrix
+                bc, dc = base[sl][s : s + chunk], delta[s : s + chunk]
+                full = bc + dc
+                oc, start = full.to(dtype), bc.to(dtype)
+                nz = dc != 0
+                lost = nz & (oc == start)
+                st.nonzero += int(nz.sum())
+                st.absorbed += int(lost.sum())
+                if entry.out_dtype != "BF16":
+                    st.absorbed_bf16 += int((nz & (full.bfloat16() == bc.bfloat16())).sum())
+                if snap and bool(lost.any()):
+                    oc = ulp.snap(oc, bc, dc, lost)
+                    st.snapped += int(lost.sum())
+                st.changed += int((oc != start).sum())
+                yield oc
+
+    writer.write_parts(entry.name, pieces())
+    if entry.out_dtype == "BF16":
+        st.absorbed_bf16 = st.absorbed
+    return st
+
+
+def _threads(job: Job) -> None:
+    import torch
+
+    if torch.get_num_threads() != job.threads:
+        torch.set_num_threads(job.threads)
+
+
+def collect_shard(job: Job, method: Method, p: int, idx: int, tick: Tick = None) -> Any:
+    """Statistics pass `p` over the float tensors of output shard `idx`."""
+    _threads(job)
+    base, experts = job.open()
+    total = None
+    pool = Pool()
+    try:
+        for entry in job.shards[idx]:
+            if entry.is_float:
+                g = load_group(entry, base, experts, method, pool)
+                total = add_partials(total, method.collect(p, g))
+            if tick:
+                tick(1)
+    finally:
+        base.close()
+        for ck in experts:
+            ck.close()
+    return total
+
+
+def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
+    """Merge and write output shard `idx`."""
+    _threads(job)
+    base, experts = job.open()
+    entries = job.shards[idx]
+    writer = io.ShardWriter(
+        Path(job.out_dir) / io.shard_name(idx, len(job.shards)),
+        [(e.name, e.out_dtype, e.shape) for e in entries],
+    )
+    stats = Stats(mass=[0.0] * len(experts))
+    pool = Pool()
+    try:
+        for entry in entries:
+            if entry.is_float:
+                g = load_group(entry, base, experts, method, pool)
+                stats.add(
+                    write_merged(writer, entry, g, method.merge(g), method.snap, method.chunk)
+                )
+            else:
+                writer.write(entry.name, copy_checked(entry, base, experts))
+                stats.copied += 1
+            if tick:
+                tick(1)
+    except BaseException:
+        writer.abort()
+        raise
+    else:
+        writer.close()
+    finally:
+        base.close()
+        for ck in experts:
+            ck.close()
+    return stats
