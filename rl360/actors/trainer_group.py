@@ -96,6 +96,20 @@ class TrainerWorker:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         return self.trainer.state_dict_for_sync()
 
+    # collective weight sync (rank 0 is the sender; see rl360.serve.transports)
+    def weight_spec(self) -> list[tuple[str, list[int], str]]:
+        from rl360.serve.transports import tensor_spec
+
+        return tensor_spec(self.trainer.state_dict_for_sync())
+
+    def open_group(self, host: str, port: int, world: int) -> None:
+        from rl360.serve.transports import GlooGroup
+
+        self._weight_group = GlooGroup(host, port, 0, world)
+
+    def send_weights(self) -> None:
+        self._weight_group.send(self.trainer.state_dict_for_sync())
+
     def save(self, out_dir: str) -> str:
         return str(self.trainer.save(out_dir))
 

@@ -12,6 +12,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "code": "rl360.envs.code:CodeEnv",
     "harbor": "rl360.envs.harbor:HarborEnv",
     "tools": "rl360.envs.toolenv:ToolEnv",
+    "synthetic": "rl360.envs.synthetic:SyntheticEnv",
 }
 
 

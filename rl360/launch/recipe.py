@@ -29,6 +29,7 @@ class RunSection(_S):
     name: str = "rl360"
     out_dir: str = "runs"
     seed: NonNegInt = 0
+    min_free_disk_gb: NonNegFloat = 1.0  # `rl360 preflight` fails below this under out_dir
 
 
 class RaySection(_S):
@@ -55,6 +56,10 @@ class EngineSection(_S):
     threads: NonNegInt = 0
     max_ongoing_requests: PosInt = 256
     options: dict[str, Any] = msgspec.field(default_factory=dict)
+    # GPU backends (sglang | vllm): one replica holds its whole tensor-parallel group on one
+    # node, so engine.num_gpus >= tensor_parallel; expert_parallel splits MoE experts inside it
+    tensor_parallel: Annotated[int, Meta(ge=1, le=64)] = 1
+    expert_parallel: Annotated[int, Meta(ge=1, le=64)] = 1
 
 
 class ServeSection(_S):
@@ -159,6 +164,7 @@ class TrainSection(_S):
     tail_keep: NonNegInt = 0  # > 0: cancel slow groups once all but this many are done
     tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
     sync_every: PosInt = 1  # publish weights every k steps
+    weight_transport: Literal["object_store", "collective"] = "object_store"
     checkpoint_every: NonNegInt = 10  # 0 = only at the end
     keep_checkpoints: PosInt = 2
     wandb: Literal["offline", "online", "disabled"] = "offline"

@@ -67,6 +67,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     from rl360.launch.cluster import ray_session
     from rl360.policies.loading import resolve_model_path
     from rl360.serve.app import start_serving, stop_serving
+    from rl360.serve.transports import CollectiveTransport, ObjectStoreTransport
 
     tr = recipe.train
     run_dir = Path(recipe.run.out_dir) / recipe.run.name
@@ -108,17 +109,22 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
                  "capacity_groups": tr.capacity_groups, "engine_replicas": recipe.engine.replicas,
                  "tail_keep": tr.tail_keep, "tail_factor": tr.tail_factor},
                 pool.actors, buffer, serving.publisher)
+        if tr.weight_transport == "collective":
+            transport: Any = CollectiveTransport(serving, trainer.workers[0], recipe.engine.replicas)
+        else:
+            transport = ObjectStoreTransport(serving, trainer)
         sink = MetricsSink(run_dir, recipe.run.name, tr.steps, tr.wandb,
                            msgspec.to_builtins(recipe), resume=ckpt is not None)
         try:
             if ckpt is not None:
                 ray.get(buffer.load_state.remote((ckpt / "buffer.msgpack").read_bytes()))
-                serving.publish_ref(version, trainer.state_dict_ref())
+                transport.publish(version)
                 print(f"rl360: resumed from {ckpt} (step {step0}, policy version {version})",
                       file=sys.stderr)
             ray.get(controller.start.remote(int(meta.get("groups_started", 0)),
                                             int(meta.get("tasks_taken", 0))))
-            _loop(recipe, run_dir, trainer, serving, buffer, controller, sink, step0, version)
+            _loop(recipe, run_dir, trainer, serving, transport, buffer, controller, sink, step0,
+                  version)
         finally:
             try:
                 ray.get(controller.stop.remote(), timeout=30)
@@ -134,8 +140,8 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     return 0
 
 
-def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, buffer: Any,
-          controller: Any, sink: Any, step0: int, version: int) -> None:
+def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: Any,
+          buffer: Any, controller: Any, sink: Any, step0: int, version: int) -> None:
     import ray
 
     tr = recipe.train
@@ -155,7 +161,7 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, buffer: Any
         sync_s = 0.0
         if version % tr.sync_every == 0:
             t1 = time.monotonic()
-            serving.publish_ref(version, trainer.state_dict_ref())
+            transport.publish(version)
             sync_s = time.monotonic() - t1
         stats = ray.get(buffer.take_recent_stats.remote())
         cstat = ray.get(controller.status.remote())

@@ -28,7 +28,13 @@ def cache_dir() -> Path:
 
 def resolve_model_path(model: str) -> Path:
     if model == "tiny" or model.startswith("tiny:"):
-        return _cached("tiny-v1" if model == "tiny" else f"tiny-v1-{model[5:]}", _build_tiny)
+        from rl360.policies.tiny import TINY_PRESETS
+
+        preset = model[5:] or "default" if model.startswith("tiny:") else "default"
+        if preset not in TINY_PRESETS:
+            raise ModelNotFound(f"model {model!r}: no tiny preset {preset!r}; "
+                                f"known: {', '.join(sorted(TINY_PRESETS))}")
+        return _cached(f"tiny-v1-{preset}", lambda out: _build_tiny(out, preset))
     if model == "smollm2":
         return _cached("smollm2-135m-instruct", _convert_smollm2)
     path = Path(model).expanduser()
@@ -56,10 +62,10 @@ def _cached(name: str, build: object) -> Path:
     return target
 
 
-def _build_tiny(out: Path) -> None:
-    from rl360.policies.tiny import save_tiny_policy
+def _build_tiny(out: Path, preset: str) -> None:
+    from rl360.policies.tiny import TINY_PRESETS, save_tiny_policy
 
-    save_tiny_policy(out)
+    save_tiny_policy(out, TINY_PRESETS[preset])
 
 
 def smollm2_gguf_path() -> Path | None:

@@ -28,6 +28,17 @@ class TinyModelSpec(msgspec.Struct, forbid_unknown_fields=True):
     seed: int = 0
 
 
+# named shapes for "tiny:<preset>" model paths
+TINY_PRESETS: dict[str, TinyModelSpec] = {
+    "default": TinyModelSpec(),
+    # the CPU demo's policy (~0.9M parameters)
+    "demo": TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4),
+    # ~113 MB of fp32 weights, for weight-sync benchmarks
+    "sync100m": TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
+                              num_attention_heads=12, num_key_value_heads=4),
+}
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte <-> printable-unicode table used by byte-level BPE."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))

@@ -22,14 +22,16 @@ class WeightPublisher:
 
     def __init__(self) -> None:
         self.version = 0
-        self.refs: list[Any] = []  # [ObjectRef], wrapped so Ray does not resolve it
+        # [ObjectRef] (wrapped so Ray does not resolve it), or a collective-group payload
+        self.refs: list[Any] | dict[str, Any] = []
         self.published_at = 0.0
         self._changed = asyncio.Event()
         self._applied_changed = asyncio.Event()
         self.applied: dict[str, tuple[int, float]] = {}
         self.engine_stats: dict[str, dict[str, Any]] = {}
+        self.ranks: dict[str, int] = {}
 
-    async def publish(self, version: int, wrapped_ref: list[Any]) -> bool:
+    async def publish(self, version: int, wrapped_ref: list[Any] | dict[str, Any]) -> bool:
         if version <= self.version:
             log.warning("not publishing version %d: %d is already out", version, self.version)
             return False
@@ -38,7 +40,32 @@ class WeightPublisher:
         self._changed = asyncio.Event()
         return True
 
-    async def wait_newer(self, have: int, timeout_s: float) -> tuple[int, list[Any]]:
+    async def publish_collective(self, version: int, payload: dict[str, Any]) -> bool:
+        """Announce a version sent over a collective group (see rl360.serve.transports)."""
+        return await self.publish(version, payload)  # type: ignore[arg-type]
+
+    async def register(self, replica: str) -> int:
+        """An engine replica's rank in collective weight groups (1..N; the sender is 0)."""
+        if replica not in self.ranks:
+            self.ranks[replica] = len(self.ranks) + 1
+            self._applied_changed.set()
+            self._applied_changed = asyncio.Event()
+        return self.ranks[replica]
+
+    async def wait_registered(self, replicas: int, timeout_s: float) -> dict[str, int]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.ranks) < replicas:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"only {len(self.ranks)} of {replicas} engine replicas "
+                                   f"registered for weight sync within {timeout_s:.0f}s")
+            try:
+                await asyncio.wait_for(self._applied_changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        return dict(self.ranks)
+
+    async def wait_newer(self, have: int, timeout_s: float) -> tuple[int, Any]:
         if self.version <= have:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
@@ -77,13 +104,25 @@ class WeightPublisher:
 async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0) -> None:
     """Replica side: apply every newer published version (runs as a named task), and report
     the backend's health (busy time, tokens) every `poll_s` for the run's metrics."""
+    import asyncio as aio
+
+    rank = await publisher.register.remote(replica)
+    group: Any = None
     have = backend.version
     while True:
         await publisher.report_stats.remote(replica, backend.health())
-        version, wrapped = await publisher.wait_newer.remote(have, poll_s)
-        if version <= have or not wrapped:
+        version, payload = await publisher.wait_newer.remote(have, poll_s)
+        if version <= have or not payload:
             continue
-        state = await wrapped[0]
+        if isinstance(payload, dict):  # collective: join the group once, then receive
+            from rl360.serve.transports import GlooGroup
+
+            if group is None:
+                group = await aio.to_thread(GlooGroup, payload["host"], payload["port"], rank,
+                                            payload["world"])
+            state = await aio.to_thread(group.receive, payload["spec"])
+        else:
+            state = await payload[0]
         if await backend.update_weights(version, state):
             have = version
             await publisher.report_applied.remote(replica, version)
