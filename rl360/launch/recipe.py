@@ -148,6 +148,7 @@ class ClusterSection(_S):
     service: ClusterRole = msgspec.field(default_factory=ClusterRole)
     train: ClusterRole = msgspec.field(default_factory=ClusterRole)
     rollout: ClusterRole = msgspec.field(default_factory=ClusterRole)
+    env_role: Literal["service", "rollout"] = "rollout"  # where env actors (sandboxes) run
 
 
 class TrainSection(_S):
