@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rl360.launch.recipe import ClusterRole, Recipe
+from rl360.launch.recipe import Recipe
 
 ROLES = ("service", "train", "rollout")
 ROLE_CAPACITY = 1000.0  # what a node of a role advertises
@@ -97,7 +97,7 @@ class Plan(msgspec.Struct, kw_only=True):
         return [i for i in self.items if i.name.split("/")[0] == prefix]
 
 
-# ---------------------------------------------------------------------------- node lists
+# ---------------------------------------------------------------------------- planning
 
 
 def is_cluster_recipe(recipe: Recipe) -> bool:
@@ -105,89 +105,6 @@ def is_cluster_recipe(recipe: Recipe) -> bool:
     return any(getattr(c, r).nodes > 0 for r in ROLES)
 
 
-def declared_nodes(recipe: Recipe) -> list[NodeInfo]:
-    """A simulated node list built from the recipe's `cluster` section (names like train-03)."""
-    nodes = []
-    for role in ROLES:
-        spec: ClusterRole = getattr(recipe.cluster, role)
-        for i in range(spec.nodes):
-            nodes.append(
-                NodeInfo(
-                    name=f"{role}-{i:02d}",
-                    roles=[role],
-                    cpus=float(spec.cpus_per_node) if spec.cpus_per_node else None,
-                    gpus=float(spec.gpus_per_node),
-                    head=not nodes,
-                )
-            )
-    return nodes
-
-
-def local_node(cpus: float, gpus: float = 0.0) -> list[NodeInfo]:
-    return [NodeInfo(name="local", cpus=cpus, gpus=gpus, head=True)]
-
-
-def parse_nodes_spec(spec: str) -> list[NodeInfo]:
-    """`service=1x8,train=8x8:96,rollout=24x8` -> nodes: ROLE=COUNTxGPUS[:CPUS] per group.
-
-    A role may be `any` (untagged nodes, for local-style plans)."""
-    nodes: list[NodeInfo] = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        role, sep, rest = part.partition("=")
-        role = role.strip()
-        count, x, res = rest.partition("x")
-        gpus, _, cpus = res.partition(":")
-        try:
-            if not sep or not x or role not in (*ROLES, "any"):
-                raise ValueError
-            n, g, c = int(count), float(gpus), float(cpus) if cpus else None
-        except ValueError:
-            raise PlacementError(
-                f"--nodes {part!r}: expected ROLE=COUNTxGPUS[:CPUS] with ROLE one of "
-                f"{', '.join((*ROLES, 'any'))}, e.g. train=8x8:96"
-            ) from None
-        start = sum(1 for nd in nodes if nd.name.startswith(f"{role}-"))
-        for i in range(n):
-            nodes.append(
-                NodeInfo(name=f"{role}-{start + i:02d}", roles=[] if role == "any" else [role],
-                         cpus=c, gpus=g)
-            )
-    if not nodes:
-        raise PlacementError(f"--nodes {spec!r}: no nodes (e.g. service=1x8,train=8x8,rollout=24x8)")
-    head = next((n for n in nodes if "service" in n.roles), nodes[0])
-    head.head = True
-    return nodes
-
-
-def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> list[NodeInfo]:
-    """NodeInfo for each live node of `ray.nodes()`, its roles read from its custom resources."""
-    out = []
-    for nd in ray_nodes:
-        if not nd.get("Alive", True):
-            continue
-        res = nd.get("Resources", {})
-        roles = [r for r in ROLES if res.get(role_resource(r), 0) > 0]
-        ip = nd.get("NodeManagerAddress", "")
-        node_id = nd.get("NodeID", "")
-        out.append(
-            NodeInfo(
-                name=nd.get("NodeManagerHostname") or ip or node_id[:8],
-                roles=roles,
-                cpus=float(res.get("CPU", 0.0)),
-                gpus=float(res.get("GPU", 0.0)),
-                node_id=node_id,
-                ip=ip,
-                head="node:__internal_head__" in res,
-            )
-        )
-    names = Counter(n.name for n in out)
-    for n in out:  # fake clusters (and some real ones) share a hostname: make names unique
-        if names[n.name] > 1:
-            n.name = f"{n.name}:{n.node_id[:6]}"
-    return out
-
-
-# ---------------------------------------------------------------------------- planning
 
 
 class _Free:
@@ -419,7 +336,7 @@ def plan_placement(recipe: Recipe, nodes: list[NodeInfo], source: str = "") -> P
 class RayPlacement:
     """Turns a Plan into Ray placement groups and actor / deployment options.
 
-        rp = RayPlacement(plan)
+        rp = RayPlacement(plan_live(recipe))     # plan.plan_live, inside ray_session(...)
         rp.create_groups()                       # trainer placement groups, waits until placed
         Trainer.options(**rp.trainer_options(rank)).remote(...)
         serve.deployment(Engine, **rp.engine_deployment_options(), ...)

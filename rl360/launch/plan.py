@@ -1,5 +1,6 @@
 """`rl360 plan`: the resolved recipe's key settings and a table of where every actor and
-deployment replica lands, with the resources used on each node. Starts nothing.
+deployment replica lands, with the resources used on each node. Starts nothing. Also where
+node lists come from (declared, `--nodes`, `ray.nodes()`, this machine) for the planner.
 
 The node list comes from, in order: `--nodes ROLE=COUNTxGPUS[:CPUS],...`; a live cluster
 (`--address`, `ray.address` or RAY_ADDRESS: read with `ray.nodes()`, nothing is scheduled);
@@ -24,16 +25,103 @@ from rl360.launch.placement import (
     NodeInfo,
     PlacementError,
     Plan,
-    declared_nodes,
     is_cluster_recipe,
-    local_node,
-    nodes_from_ray,
-    parse_nodes_spec,
     plan_placement,
     plural,
     role_resource,
 )
-from rl360.launch.recipe import Recipe, load_recipe
+from rl360.launch.recipe import ClusterRole, Recipe, load_recipe
+
+# ---------------------------------------------------------------------------- node lists
+
+
+def declared_nodes(recipe: Recipe) -> list[NodeInfo]:
+    """A simulated node list built from the recipe's `cluster` section (names like train-03)."""
+    nodes = []
+    for role in ROLES:
+        spec: ClusterRole = getattr(recipe.cluster, role)
+        for i in range(spec.nodes):
+            nodes.append(
+                NodeInfo(
+                    name=f"{role}-{i:02d}",
+                    roles=[role],
+                    cpus=float(spec.cpus_per_node) if spec.cpus_per_node else None,
+                    gpus=float(spec.gpus_per_node),
+                    head=not nodes,
+                )
+            )
+    return nodes
+
+
+def local_node(cpus: float, gpus: float = 0.0) -> list[NodeInfo]:
+    return [NodeInfo(name="local", cpus=cpus, gpus=gpus, head=True)]
+
+
+def parse_nodes_spec(spec: str) -> list[NodeInfo]:
+    """`service=1x8,train=8x8:96,rollout=24x8` -> nodes: ROLE=COUNTxGPUS[:CPUS] per group.
+
+    A role may be `any` (untagged nodes, for local-style plans)."""
+    nodes: list[NodeInfo] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        role, sep, rest = part.partition("=")
+        role = role.strip()
+        count, x, res = rest.partition("x")
+        gpus, _, cpus = res.partition(":")
+        try:
+            if not sep or not x or role not in (*ROLES, "any"):
+                raise ValueError
+            n, g, c = int(count), float(gpus), float(cpus) if cpus else None
+        except ValueError:
+            raise PlacementError(
+                f"--nodes {part!r}: expected ROLE=COUNTxGPUS[:CPUS] with ROLE one of "
+                f"{', '.join((*ROLES, 'any'))}, e.g. train=8x8:96"
+            ) from None
+        start = sum(1 for nd in nodes if nd.name.startswith(f"{role}-"))
+        for i in range(n):
+            nodes.append(
+                NodeInfo(name=f"{role}-{start + i:02d}", roles=[] if role == "any" else [role],
+                         cpus=c, gpus=g)
+            )
+    if not nodes:
+        raise PlacementError(f"--nodes {spec!r}: no nodes (e.g. service=1x8,train=8x8,rollout=24x8)")
+    head = next((n for n in nodes if "service" in n.roles), nodes[0])
+    head.head = True
+    return nodes
+
+
+def nodes_from_ray(ray_nodes: list[dict[str, Any]]) -> list[NodeInfo]:
+    """NodeInfo for each live node of `ray.nodes()`, its roles read from its custom resources."""
+    out = []
+    for nd in ray_nodes:
+        if not nd.get("Alive", True):
+            continue
+        res = nd.get("Resources", {})
+        roles = [r for r in ROLES if res.get(role_resource(r), 0) > 0]
+        ip = nd.get("NodeManagerAddress", "")
+        node_id = nd.get("NodeID", "")
+        out.append(
+            NodeInfo(
+                name=nd.get("NodeManagerHostname") or ip or node_id[:8],
+                roles=roles,
+                cpus=float(res.get("CPU", 0.0)),
+                gpus=float(res.get("GPU", 0.0)),
+                node_id=node_id,
+                ip=ip,
+                head="node:__internal_head__" in res,
+            )
+        )
+    names = Counter(n.name for n in out)
+    for n in out:  # fake clusters (and some real ones) share a hostname: make names unique
+        if names[n.name] > 1:
+            n.name = f"{n.name}:{n.node_id[:6]}"
+    return out
+
+
+def plan_live(recipe: Recipe) -> Plan:
+    """The plan for the cluster this process is connected to (inside a Ray session)."""
+    import ray
+
+    return plan_placement(recipe, nodes_from_ray(ray.nodes()), "the connected cluster")
 
 
 def local_gpu_count() -> int:

@@ -47,8 +47,6 @@ def _env() -> dict[str, str]:
     env.update(
         RAY_AUTH_MODE="disabled",
         RAY_USAGE_STATS_ENABLED="0",
-        # loopback only: a driver resolving 127.0.0.1 must not switch to the host's own IP
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",  # `python` in entrypoints = this venv
     )
     return env
@@ -100,12 +98,14 @@ def ray_head() -> Iterator[dict[str, str]]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"ray head did not come up: {(Path(temp_dir) / 'head.log').read_text()[-2000:]}")
                 time.sleep(1)
+        print(f"ray head up in {time.monotonic() - deadline + 120:.0f}s")
         yield {"dashboard": url, "temp_dir": temp_dir}
     finally:
+        t0 = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
+        try:  # `ray start --block` shuts down gracefully on SIGTERM, which can take ~30 s here
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -119,7 +119,7 @@ def ray_head() -> Iterator[dict[str, str]]:
                 os.kill(pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
-        _ = left
+        print(f"ray head down in {time.monotonic() - t0:.0f}s ({len(left)} stragglers)")
 
 
 def _job(url: str, job_id: str) -> dict[str, Any]:
@@ -167,6 +167,7 @@ def test_ray_job_submit_runs_rl360_serve(ray_head: dict[str, str]) -> None:
 
 def test_rl360_submit_follow(ray_head: dict[str, str]) -> None:
     url = ray_head["dashboard"]
+    t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "rl360", "submit", "recipes/cpu-demo.toml", "--address", url,
          "--entrypoint-cmd", "plan", "--follow", "--submission-id", f"rl360-plan-{os.getpid()}"],
@@ -179,3 +180,5 @@ def test_rl360_submit_follow(ray_head: dict[str, str]) -> None:
     assert "planned on" in out.stdout and "NODE" in out.stdout  # the job's streamed logs
     assert out.stdout.rstrip().endswith("SUCCEEDED")
     assert _job(url, f"rl360-plan-{os.getpid()}")["status"] == "SUCCEEDED"
+    assert "planned on the live cluster at" in out.stdout  # the job joined via RAY_ADDRESS
+    print(f"rl360 submit --follow (plan job) in {time.monotonic() - t0:.0f}s")

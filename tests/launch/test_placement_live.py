@@ -45,13 +45,8 @@ def _live(overrides: list[str], engine_probe: bool) -> dict[str, Any]:
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
 
-    from rl360.launch.placement import (
-        RayPlacement,
-        declared_nodes,
-        node_resources,
-        nodes_from_ray,
-        plan_placement,
-    )
+    from rl360.launch.placement import RayPlacement, node_resources, plan_placement
+    from rl360.launch.plan import declared_nodes, nodes_from_ray
     from rl360.launch.recipe import apply_overrides, decode_recipe
 
     recipe = decode_recipe(apply_overrides({}, overrides))

@@ -14,13 +14,10 @@ from rl360.launch.placement import (
     ROLE_UNIT,
     NodeInfo,
     PlacementError,
-    declared_nodes,
-    local_node,
     node_resources,
-    nodes_from_ray,
-    parse_nodes_spec,
     plan_placement,
 )
+from rl360.launch.plan import declared_nodes, local_node, nodes_from_ray, parse_nodes_spec
 from rl360.launch.recipe import Recipe, apply_overrides, decode_recipe, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
