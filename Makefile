@@ -1,15 +1,14 @@
 # All set-up happens here: `make demo` and `make test` work on a fresh machine.
-PY ?= python3.11
+PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-smollm2 lint bench clean venv sysdeps
+.PHONY: demo eval test test-fast lint clean venv sysdeps
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@command -v $(PY) >/dev/null || PY=python3
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the pinned CPU wheel, so nothing later pulls a CUDA build
@@ -27,18 +26,25 @@ sysdeps:
 	  else echo "bubblewrap missing and not root: sandboxes fall back to the process backend"; fi; \
 	fi
 
+# warm-start once (cached in runs/cpu-demo-warmstart), then a fresh RL run of the demo
 demo: venv sysdeps
+	@test -f runs/cpu-demo-warmstart/config.json || $(BIN)/rl360 sft recipes/cpu-demo.toml
+	rm -rf runs/cpu-demo
+	$(BIN)/rl360 train recipes/cpu-demo.toml
+
+eval: venv sysdeps
 	$(BIN)/rl360 eval recipes/cpu-demo.toml
 
 test: venv sysdeps
-	$(BIN)/ruff check rl360 tests bench
+	$(BIN)/ruff check rl360 tests bench examples
 	$(BIN)/python -m pytest -q tests
 
+# the quick tier: no Ray cluster, no end-to-end runs
 test-fast: venv
 	$(BIN)/python -m pytest -q tests -m "not ray and not slow and not smollm2"
 
 lint: venv
-	$(BIN)/ruff check rl360 tests bench
+	$(BIN)/ruff check rl360 tests bench examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

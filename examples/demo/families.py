@@ -18,11 +18,16 @@ from typing import Any
 
 _WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
           "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen",
-          "eighteen", "nineteen", "twenty"]
+          "eighteen", "nineteen"]
+_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
 
 
 def word(k: int) -> str:
-    return _WORDS[k]
+    """A number as it appears in a function name: 7 -> seven, 42 -> forty_two."""
+    if k < 20:
+        return _WORDS[k]
+    tens, ones = divmod(k, 10)
+    return _TENS[tens] + (f"_{_WORDS[ones]}" if ones else "")
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ FAMILIES = [
     Family("item_k", "xs", lambda k: f"item_at_{word(k)}", lambda k: f"the item of xs at index {k}",
            lambda k: f"xs[{k}]", tuple(range(0, 7)), (1, 3), LISTS),
     Family("pow_k", "x", lambda k: f"power_{word(k)}", lambda k: f"x to the power {k}",
-           lambda k: f"x ** {k}", tuple(range(2, 7)), (2, 3), (2, -3, 0, 5)),
+           lambda k: f"x ** {k}", tuple(range(2, 10)), (2, 3), (2, -3, 0, 5)),
 ]
 
 

@@ -10,6 +10,7 @@ the object store until the trainer reads it. Infrastructure failures come back a
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
@@ -47,8 +48,24 @@ class _LRU(collections.OrderedDict):  # type: ignore[type-arg]
             self.popitem(last=False)
 
 
+class _Throttled:
+    """A shared warm sandbox whose execs wait for a slot: a burst of gradings runs a few
+    processes at a time instead of hundreds that fight the engines for the CPU."""
+
+    def __init__(self, sandbox: Any, slots: asyncio.Semaphore) -> None:
+        self._sandbox, self._slots = sandbox, slots
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sandbox, name)
+
+    async def exec(self, *args: Any, **kwargs: Any) -> Any:
+        async with self._slots:
+            return await self._sandbox.exec(*args, **kwargs)
+
+
 class EnvActor:
     WARM_SANDBOXES = 4  # per (backend, limits): shared by concurrent grading-only episodes
+    EXEC_SLOTS = 8  # concurrent execs in the warm sandboxes of one env actor
 
     def __init__(self, env_cfg: dict[str, Any], sampling: dict[str, Any], shard_names: list[str],
                  namespace: str, base_url: str) -> None:
@@ -63,6 +80,7 @@ class EnvActor:
         self.verify_cache = _LRU(50_000)
         self._warm: dict[str, list[Any]] = {}
         self._warm_rr = itertools.count()
+        self._slots: asyncio.Semaphore | None = None
 
     def _sandbox_for(self, env: Any, task: Task, limits: Any) -> tuple[Any, bool]:
         """(sandbox, pooled): a warm shared one for envs that allow it, else a fresh one."""
@@ -74,7 +92,9 @@ class EnvActor:
         key = msgspec.json.encode([self.cfg.sandbox, spec]).decode()
         pool = self._warm.setdefault(key, [])
         if len(pool) < self.WARM_SANDBOXES:
-            pool.append(open_sandbox(env, task, self.cfg.sandbox, limits))
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.EXEC_SLOTS)
+            pool.append(_Throttled(open_sandbox(env, task, self.cfg.sandbox, limits), self._slots))
             return pool[-1], True
         return pool[next(self._warm_rr) % len(pool)], True
 

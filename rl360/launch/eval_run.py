@@ -147,6 +147,7 @@ def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
             refs = [pool.submit(t, group_id=f"{t.id}") for t in tasks for _ in range(k)]
             trajs = collect(refs, f"eval {len(tasks)} tasks x {k}")
             wall = time.monotonic() - t0
+            engines = serving.weight_status().get("engines", {})
         finally:
             pool.shutdown()
             stop_serving(serving)
@@ -158,6 +159,9 @@ def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
     gen_tokens = sum(sum(t.mask) for t in trajs)
     print(f"{len(trajs)} episodes in {wall:.1f}s ({len(trajs) / wall:.1f} ep/s, "
           f"{gen_tokens / wall:.0f} generated tok/s); trajectories: {out_path}")
+    for rep, h in sorted(engines.items()):
+        print(f"engine {rep}: {h.get('batches', 0)} batches, {h.get('requests', 0)} requests, "
+              f"busy {h.get('busy_s', 0.0):.1f}s of {h.get('uptime_s', 0.0):.1f}s")
     (run_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2))
     if calibrate:
         write_calibration(summary, tasks, recipe, run_dir)

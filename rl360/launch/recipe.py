@@ -152,6 +152,7 @@ class ClusterSection(_S):
 
 
 class TrainSection(_S):
+    init: str = ""  # the policy to start from (e.g. `rl360 sft`'s output); "" = model.path
     tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
     task_limit: NonNegInt = 0
     steps: PosInt = 100

@@ -81,6 +81,12 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = json.loads((ckpt / CKPT_META).read_text()) if ckpt else {}
+    if tr.init:
+        if not (Path(tr.init) / "config.json").is_file():
+            print(f"rl360: train.init {tr.init!r} is not a model directory; create it first "
+                  "(`rl360 sft <recipe>` writes the warm start there)", file=sys.stderr)
+            return 2
+        recipe.model.path = tr.init  # engines and trainer start from the warm start
     model_path = resolve_model_path(recipe.model.path)
     step0, version = int(meta.get("step", 0)), int(meta.get("version", 0))
     (run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))

@@ -31,8 +31,8 @@ class TinyModelSpec(msgspec.Struct, forbid_unknown_fields=True):
 # named shapes for "tiny:<preset>" model paths
 TINY_PRESETS: dict[str, TinyModelSpec] = {
     "default": TinyModelSpec(),
-    # the CPU demo's policy (~0.9M parameters)
-    "demo": TinyModelSpec(hidden_size=128, intermediate_size=384, num_hidden_layers=4),
+    # the CPU demo's policy (~0.3M parameters)
+    "demo": TinyModelSpec(hidden_size=96, intermediate_size=256, num_hidden_layers=3),
     # ~113 MB of fp32 weights, for weight-sync benchmarks
     "sync100m": TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
                               num_attention_heads=12, num_key_value_heads=4),

@@ -112,6 +112,7 @@ def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
         ray_actor_options={"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=5,
+        logging_config={"enable_access_log": False},  # one line per token call is noise
     ).bind(e.backend, engine_config(recipe), (publisher_name, ns))
     server = serve.deployment(
         SessionServer,
@@ -119,6 +120,7 @@ def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
         num_replicas=s.server_replicas,
         max_ongoing_requests=1000,
         ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False},
     ).bind(names, ns, recipe.run.name, engine)
     t0 = time.monotonic()
     serve.run(server, name=s.app_name, route_prefix="/", blocking=False)

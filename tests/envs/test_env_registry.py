@@ -11,7 +11,7 @@ from rl360.envs.toolenv import ToolEnv
 
 
 def test_builtin_names():
-    assert set(BUILTIN_ENVS) == {"code", "harbor", "tools"}
+    assert set(BUILTIN_ENVS) == {"code", "harbor", "tools", "synthetic"}
     assert env_class("code") is CodeEnv and env_class("harbor") is HarborEnv
     assert isinstance(build_env("tools"), ToolEnv)
     env = build_env("rl360.envs.code:CodeEnv", tools=True)

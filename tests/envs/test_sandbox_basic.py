@@ -166,3 +166,13 @@ def test_explicit_unavailable_backend_is_refused_with_reason(monkeypatch):
         api.TaskRefused, match=r"'t'.*docker sandbox is unavailable here: no engine"
     ):
         api.open_sandbox(CodeEnv(), Task(id="t", prompt="p", data={"tests": ["pass"]}), "docker")
+
+
+async def test_sandboxed_code_runs_niced(bwrap_backend, make_sandbox):
+    """Model-written code yields the CPU to engines and trainers on the same host."""
+    import os
+
+    sb = make_sandbox(bwrap_backend)
+    res = await sb.exec(["python3", "-c", "import os; print(os.nice(0))"])
+    assert res.exit_code == 0, res.stderr
+    assert int(res.stdout.strip()) >= min(19, os.nice(0) + 10)

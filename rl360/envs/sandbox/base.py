@@ -43,6 +43,9 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     timeout: float = 30.0  # default wall-clock timeout of one exec, seconds
     network: bool = False
     cpus: float | None = None  # CPU bandwidth (cgroup cpu controller) where available
+    # scheduling niceness of everything in the sandbox: model-written code yields the CPU to
+    # the engines and trainers of the same host (a burst of gradings must not starve them)
+    nice: int = 10
 
     def __post_init__(self) -> None:
         for name in ("cpu_seconds", "memory_mb", "max_procs", "disk_mb", "tmp_mb"):
@@ -50,6 +53,8 @@ class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
         if self.output_bytes < 0 or self.timeout <= 0:
             raise ValueError("SandboxLimits.output_bytes must be >= 0 and timeout > 0")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"SandboxLimits.nice must be in 0..19, got {self.nice}")
 
 
 class ExecResult(msgspec.Struct, omit_defaults=True):

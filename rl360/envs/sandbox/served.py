@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import time
 import uuid
@@ -68,6 +69,8 @@ class ServedSandbox(Sandbox):
             t0 = time.monotonic()
             try:
                 argv, env, cwd = await self._prepare()
+                if self.limits.nice > 0 and shutil.which("nice"):
+                    argv = ["nice", "-n", str(min(self.limits.nice, 19)), *argv]
                 self._proc = await asyncio.create_subprocess_exec(
                     *argv,
                     stdin=asyncio.subprocess.PIPE,
