@@ -81,7 +81,7 @@ def test_synchronous_mode_never_runs_ahead_of_the_weights(ray_cluster, tasks_fil
 def test_async_mode_keeps_generating_within_the_bound(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
     import ray
 
-    env, buf, pub, ctl = start(ray, tasks_file, staleness=2)
+    _env, _buf, _pub, ctl = start(ray, tasks_file, staleness=2)
     deadline = time.time() + 20
     while ray.get(ctl.status.remote())["groups_started"] < 6 and time.time() < deadline:
         time.sleep(0.05)
@@ -94,7 +94,7 @@ def test_async_mode_keeps_generating_within_the_bound(ray_cluster, tasks_file) -
 def test_tail_cancellation_requeues_the_slow_task(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
     import ray
 
-    env, buf, pub, ctl = start(ray, tasks_file, staleness=0, env_kw={"slow_task": "t1"},
+    _env, buf, _pub, ctl = start(ray, tasks_file, staleness=0, env_kw={"slow_task": "t1"},
                                tail_keep=1, tail_factor=2.0)
     batch = ray.get(buf.next_batch.remote(0, 1, 20.0))  # t1 (slow) is cut, another fills in
     assert batch is not None and "t1" not in {s.task_id for s in batch.samples}
