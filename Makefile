@@ -26,9 +26,9 @@ sysdeps:
 	  else echo "bubblewrap missing and not root: sandboxes fall back to the process backend"; fi; \
 	fi
 
-# warm-start once (cached in runs/cpu-demo-warmstart), then a fresh RL run of the demo
+# a fresh RL run of the demo (the warm start is made once by `rl360 train` itself, then reused
+# from runs/cpu-demo-warmstart)
 demo: venv sysdeps
-	@test -f runs/cpu-demo-warmstart/config.json || $(BIN)/rl360 sft recipes/cpu-demo.toml
 	rm -rf runs/cpu-demo
 	$(BIN)/rl360 train recipes/cpu-demo.toml
 

@@ -126,6 +126,7 @@ class TrainerSection(_S):
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     micro_batch_size: PosInt = 16
+    micro_batch_tokens: NonNegInt = 8192  # padded tokens per micro-batch; 0 = no cap
     dtype: Literal["float32", "bfloat16"] = "float32"
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "drgrpo"
     loss: LossSection = msgspec.field(default_factory=LossSection)

@@ -34,7 +34,8 @@ def trainer_config(recipe: Recipe) -> Any:
     t = recipe.trainer
     return TrainerConfig(
         lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        micro_batch_size=t.micro_batch_size, dtype=t.dtype,
+        micro_batch_size=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens,
+        dtype=t.dtype,
         temperature=recipe.train.sampling.temperature or 1.0,
         loss=msgspec.convert(msgspec.to_builtins(t.loss), LossConfig), seed=recipe.run.seed,
     )
@@ -82,9 +83,15 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = json.loads((ckpt / CKPT_META).read_text()) if ckpt else {}
     if tr.init:
+        if not (Path(tr.init) / "config.json").is_file() and recipe.sft.out == tr.init:
+            from rl360.policies.sft import run_sft
+
+            print(f"rl360: no warm start at {tr.init}: running `rl360 sft` first", file=sys.stderr)
+            stats = run_sft(recipe.sft, seed=recipe.run.seed)
+            print(f"rl360: warm start done: loss {stats['loss']:.4f} in {stats['seconds']:.0f}s")
         if not (Path(tr.init) / "config.json").is_file():
             print(f"rl360: train.init {tr.init!r} is not a model directory; create it first "
-                  "(`rl360 sft <recipe>` writes the warm start there)", file=sys.stderr)
+                  "(`rl360 sft <recipe>` writes the warm start to sft.out)", file=sys.stderr)
             return 2
         recipe.model.path = tr.init  # engines and trainer start from the warm start
     model_path = resolve_model_path(recipe.model.path)
@@ -180,6 +187,7 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
             "step": step, "policy_version": version, "reward_mean": stats["reward_mean"],
             "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
             "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "entropy": m.get("entropy"),
+            "trainer_step_s": m.get("step_time_s"),
             "kl": m.get("kl"), "clip_frac": m.get("clip_frac"),
             "tis_mismatch": m.get("mismatch_abs_mean", m.get("logp_mismatch_mean")),
             "staleness_mean": st_mean, "staleness_max": st_max, "staleness_hist": hist,

@@ -47,6 +47,7 @@ class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still reported)
     warmup_steps: int = 0  # linear lr warm-up, then constant
     micro_batch_size: int = 16  # sequences per forward/backward
+    micro_batch_tokens: int = 0  # also cap padded tokens per micro-batch (0: no cap)
     dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast; weights stay fp32
     temperature: float = 1.0  # logits / temperature, as the engines sampled
     loss: LossConfig = msgspec.field(default_factory=LossConfig)
@@ -215,11 +216,24 @@ class TorchTrainer:
         )
         return metrics
 
+    def _chunks(self, samples: list[TrainSample]) -> Iterator[list[TrainSample]]:
+        """Longest first; a micro-batch holds at most micro_batch_size sequences and, when
+        micro_batch_tokens > 0, at most that many tokens with padding (so a few long
+        multi-turn trajectories do not pad a whole micro-batch to their length)."""
+        order = sorted(samples, key=lambda s: -len(s.tokens))
+        size, budget = self.config.micro_batch_size, self.config.micro_batch_tokens
+        chunk: list[TrainSample] = []
+        for s in order:
+            width = len(chunk[0].tokens) if chunk else len(s.tokens)
+            if chunk and (len(chunk) >= size or (budget and (len(chunk) + 1) * width > budget)):
+                yield chunk
+                chunk = []
+            chunk.append(s)
+        if chunk:
+            yield chunk
+
     def _micro_batches(self, samples: list[TrainSample]) -> Iterator[_MicroBatch]:
-        order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
-        size = self.config.micro_batch_size
-        for start in range(0, len(order), size):
-            chunk = [samples[i] for i in order[start : start + size]]
+        for chunk in self._chunks(samples):
             width = max(len(s.tokens) for s in chunk)
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attn = torch.zeros((len(chunk), width), dtype=torch.long)

@@ -160,3 +160,31 @@ def test_bad_batches_fail_clearly_and_empty_ones_skip(tiny_dir: Path) -> None:
         t.train_step(Batch(samples=[TrainSample(**{**ok, "tokens": [1, 2, 999]})]))
     m = t.train_step(Batch(samples=[TrainSample(**{**ok, "mask": [0, 0, 0]})]))
     assert m["skipped"] == 1.0 and t.step == 0
+
+
+def test_token_budget_micro_batches_change_nothing_but_the_packing(tiny_dir) -> None:  # type: ignore[no-untyped-def]
+    """A token cap on micro-batches (a few long trajectories must not pad everything) gives
+    the same step as fixed-size micro-batches: the reducer's denominators are global."""
+    import random
+
+    from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+    from rl360.types import Batch, TrainSample
+
+    rng = random.Random(0)
+    samples = []
+    for i in range(12):
+        n = rng.choice([20, 25, 30, 200])
+        samples.append(TrainSample(tokens=[rng.randrange(1, 250) for _ in range(n)],
+                                   mask=[0] * 5 + [1] * (n - 5),
+                                   sampling_logprobs=[0.0] * 5 + [-1.0] * (n - 5),
+                                   advantage=1.0 if i % 2 else -1.0))
+    capped = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8, micro_batch_tokens=256), tiny_dir)
+    chunks = list(capped._chunks(samples))
+    assert sum(len(c) for c in chunks) == 12
+    assert all(len(c) * len(c[0].tokens) <= 256 or len(c) == 1 for c in chunks)
+    plain = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), tiny_dir)
+    a = capped.train_step(Batch(samples=samples))
+    b = plain.train_step(Batch(samples=samples))
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(b["loss"]))
+    for (_, p), (_, q) in zip(capped.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        assert (p - q).abs().max().item() <= 1e-5
