@@ -20,6 +20,24 @@ log = logging.getLogger("rl360.cluster")
 LOCAL_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 
+class StopFlag:
+    """Set by the first Ctrl-C / SIGTERM: long loops check it and wind down cleanly (Ray's
+    blocking calls can swallow a KeyboardInterrupt). A second signal interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\nrl360: {signal.Signals(signum).name}: stopping after the current step "
+              "(again to stop now)", flush=True)
+
+
+STOP = StopFlag()
+
+
 def local_ray_env() -> dict[str, str]:
     return dict(LOCAL_ENV)
 
@@ -54,8 +72,10 @@ def ray_session(
     else:
         kwargs["address"] = address
     ctx = ray.init(**kwargs)
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _raise_exit)
+    STOP.requested = False
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, STOP)
     info = {
         "address": ctx.address_info.get("address", address),
         "dashboard_url": ("http://" + ctx.dashboard_url) if ctx.dashboard_url else "",
@@ -64,14 +84,11 @@ def ray_session(
     try:
         yield info
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if local:
             with contextlib.suppress(Exception):
                 from ray import serve
 
                 serve.shutdown()
         ray.shutdown()
-
-
-def _raise_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)

@@ -23,7 +23,7 @@ def _banner(recipe: Recipe, base_url: str, dashboard: str) -> str:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from rl360.launch.cluster import ray_session
+    from rl360.launch.cluster import STOP, ray_session
     from rl360.serve.app import start_serving, stop_serving
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -33,7 +33,7 @@ def serve_main(args: argparse.Namespace) -> int:
         print(_banner(recipe, handles.base_url, info["dashboard_url"]), flush=True)
         try:
             deadline = time.monotonic() + args.duration if args.duration > 0 else None
-            while deadline is None or time.monotonic() < deadline:
+            while not STOP.requested and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.5)
         finally:
             stop_serving(handles)

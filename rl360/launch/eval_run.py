@@ -106,10 +106,12 @@ def collect(refs: list[Any], desc: str) -> list[Trajectory]:
     import ray
     from tqdm import tqdm
 
+    from rl360.launch.cluster import STOP
+
     out: list[Trajectory] = []
     pending = list(refs)
     with tqdm(total=len(refs), desc=desc, unit="ep", file=sys.stderr, dynamic_ncols=True) as bar:
-        while pending:
+        while pending and not STOP.requested:
             done, pending = ray.wait(pending, num_returns=min(len(pending), 16), timeout=1.0)
             for t in ray.get(done):
                 out.append(t)

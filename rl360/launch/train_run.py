@@ -157,15 +157,24 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
           buffer: Any, controller: Any, sink: Any, step0: int, version: int) -> None:
     import ray
 
+    from rl360.launch.cluster import STOP
+
     tr = recipe.train
     last_engine: dict[str, dict[str, Any]] = {}
+    cstat: dict[str, Any] = {}
     for step in range(step0 + 1, tr.steps + 1):
         t0 = time.monotonic()
         batch = None
-        while batch is None:
-            batch = ray.get(buffer.next_batch.remote(version, step, 30.0))
+        while batch is None and not STOP.requested:
+            batch = ray.get(buffer.next_batch.remote(version, step, 2.0))
             if batch is None:  # surface a dead controller instead of waiting forever
                 ray.get(controller.status.remote())
+        if batch is None:  # stopped by Ctrl-C / SIGTERM: keep what was learned
+            if step > step0 + 1:
+                path = save_checkpoint(run_dir, step - 1, version, trainer, buffer,
+                                       ray.get(controller.status.remote()), tr.keep_checkpoints)
+                print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
+            return
         t_wait = time.monotonic() - t0
         hist, st_mean, st_max = staleness_stats(batch)
         m = trainer.train_step(batch)
@@ -202,8 +211,11 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
             **{k: v for k, v in cstat.items() if k.startswith("count/")},
         }
         sink.log(row)
-        if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps:
-            save_checkpoint(run_dir, step, version, trainer, buffer, cstat, tr.keep_checkpoints)
+        if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps or STOP.requested:
+            path = save_checkpoint(run_dir, step, version, trainer, buffer, cstat, tr.keep_checkpoints)
+            if STOP.requested:
+                print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
+                return
 
 
 def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
