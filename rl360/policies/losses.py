@@ -148,13 +148,20 @@ def ppo_clip_loss(
     """PPO-clip with asymmetric bounds (clip-higher): ratio in [1 - eps_low, 1 + eps_high]."""
     adv = _per_token(advantages, logprobs)
     log_ratio = _masked(logprobs - old_logprobs.detach(), mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio = torch.exp(log_ratio)
+    return _clipped_objective(torch.exp(log_ratio), adv, mask, eps_low, eps_high)
+
+
+def _clipped_objective(
+    ratio: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Metrics]:
+    """The PPO clipped surrogate per token, shared by token-level (PPO) and sequence-level
+    (GSPO) ratios, with its clip-fraction metrics."""
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     loss = _masked(torch.maximum(unclipped, clipped), mask)
     with torch.no_grad():
-        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(logprobs.dtype)
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logprobs.dtype)
+        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(ratio.dtype)
+        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(ratio.dtype)
         metrics = {
             "clip_frac": masked_mean(low + high, mask),
             "clip_frac_low": masked_mean(low, mask),
@@ -182,19 +189,7 @@ def gspo_loss(
     seq = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
     tok_log_ratio = seq.detach() + logprobs - logprobs.detach()
     ratio = torch.exp(_masked(tok_log_ratio, mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    loss = _masked(torch.maximum(unclipped, clipped), mask)
-    with torch.no_grad():
-        low = ((ratio < 1.0 - eps_low) & (adv < 0)).to(logprobs.dtype)
-        high = ((ratio > 1.0 + eps_high) & (adv > 0)).to(logprobs.dtype)
-        metrics = {
-            "clip_frac": masked_mean(low + high, mask),
-            "clip_frac_low": masked_mean(low, mask),
-            "clip_frac_high": masked_mean(high, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-        }
-    return loss, metrics
+    return _clipped_objective(ratio, adv, mask, eps_low, eps_high)
 
 
 def reinforce_loss(
