@@ -7,13 +7,19 @@ from contextlib import contextmanager
 from typing import Any
 
 from rl360.launch.recipe import apply_overrides, decode_recipe
+from rl360.serve.transports import free_port
+
+# one Serve HTTP port for the whole test session (Serve keeps the first proxy's port), free
+# at start-up so a developer's running `rl360 serve` on 8000 does not collide with the tests
+SERVE_PORT = free_port()
 
 
 @contextmanager
 def serving(overrides: list[str], options: dict[str, Any] | None = None) -> Iterator[Any]:
     from rl360.serve.app import start_serving, stop_serving
 
-    data = apply_overrides({}, ["ray.namespace='rl360-tests'", "engine.num_cpus=0.5", *overrides])
+    data = apply_overrides({}, ["ray.namespace='rl360-tests'", "engine.num_cpus=0.5",
+                                f"serve.port={SERVE_PORT}", *overrides])
     if options:
         data.setdefault("engine", {})["options"] = options
     handles = start_serving(decode_recipe(data))
