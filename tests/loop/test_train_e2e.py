@@ -13,14 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from rl360.serve.transports import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
+PORT = free_port()
 
 
 def train_cmd(out: Path, steps: int, *extra: str) -> list[str]:
     sets = [
         "run.name=e2e", f"run.out_dir={json.dumps(str(out))}", "model.path='tiny'",
-        "ray.dashboard=false", "serve.port=8011", "env.actors=1", "engine.num_cpus=0.5",
+        "ray.dashboard=false", f"serve.port={PORT}", "env.actors=1", "engine.num_cpus=0.5",
         "trainer.num_cpus=0.5", f"train.steps={steps}", "train.group_size=2",
         "train.groups_per_batch=2", "train.task_limit=4", "train.tasks=['examples/tasks/code.jsonl']",
         "train.sampling.max_tokens=16", "train.checkpoint_every=1", "train.wandb='offline'",
