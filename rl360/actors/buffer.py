@@ -81,14 +81,13 @@ class TrajectoryBuffer:
     async def size(self) -> int:
         return len(self.groups)
 
-    async def add_group(self, group_id: str, task_id: str, wrapped: list[list[Any]]) -> int:
+    async def add_group(self, group_id: str, task_id: str, wrapped: list[list[Any]]) -> bool:
         """Take a finished group (its trajectory refs inside a list, so Ray passes them
-        unresolved). Returns the number of queued groups (for back-pressure)."""
+        unresolved). Returns whether it was queued for training (False: filtered out)."""
         trajs: list[Trajectory] = list(await asyncio.gather(*wrapped[0]))
-        self.add_trajectories(group_id, task_id, trajs)
-        return len(self.groups)
+        return self.add_trajectories(group_id, task_id, trajs)
 
-    def add_trajectories(self, group_id: str, task_id: str, trajs: list[Trajectory]) -> None:
+    def add_trajectories(self, group_id: str, task_id: str, trajs: list[Trajectory]) -> bool:
         valid = [t.status != "infra_error" and t.reward is not None for t in trajs]
         for t in trajs:
             self.counts[f"episodes_{t.status}"] += 1
@@ -101,10 +100,10 @@ class TrajectoryBuffer:
         good = [r for r, ok in zip(rewards, valid, strict=True) if ok]
         if not good:
             self.counts["groups_all_infra_error"] += 1
-            return
+            return False
         if self.cfg.filter_zero_variance and max(good) - min(good) < 1e-9:
             self.counts["groups_zero_variance"] += 1
-            return
+            return False
         adv = self.advantage(rewards, valid)
         samples = to_samples(trajs, adv)
         gen_versions = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
@@ -116,6 +115,7 @@ class TrajectoryBuffer:
         ))
         self.counts["groups_queued"] += 1
         self._notify()
+        return True
 
     async def next_batch(self, trainer_version: int, step: int, timeout_s: float = 3600.0) -> Batch | None:
         """Wait for a full batch usable at `trainer_version`; None on timeout."""

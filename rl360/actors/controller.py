@@ -218,7 +218,11 @@ class RolloutController:
             return
         self._lost_in_a_row = 0
         self.done_times[g.batch].append(time.monotonic() - g.started)
-        await self.buffer.add_group.remote(gid, g.task.id, [g.refs])
+        if not await self.buffer.add_group.remote(gid, g.task.id, [g.refs]):
+            # filtered (no reward variance, or all infra failures): its batch slot goes to
+            # another group, or the staleness gate would wait for a batch that never fills
+            self.started -= 1
+            self.counts["groups_filtered"] += 1
         self.counts["groups_done"] += 1
         self._notify()
 

@@ -101,3 +101,41 @@ def test_tail_cancellation_requeues_the_slow_task(ray_cluster, tasks_file) -> No
     st = ray.get(ctl.status.remote())
     assert st["count/tail_cancelled_groups"] >= 1
     ray.get(ctl.stop.remote())
+
+
+def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """With zero-variance filtering, a batch still fills in synchronous mode (the fake env's
+    groups all have equal rewards except when the task id is odd)."""
+    import ray
+
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import RolloutController
+    from rl360.serve.weights import WeightPublisher
+
+    env = ray.remote(VarianceEnvActor).remote()
+    buf = ray.remote(TrajectoryBuffer).remote({"group_size": 2, "groups_per_batch": 2,
+                                               "max_staleness": 0, "filter_zero_variance": True})
+    pub = ray.remote(WeightPublisher).remote()
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
+        {"task_paths": [tasks_file], "group_size": 2, "groups_per_batch": 2, "max_staleness": 0,
+         "max_in_flight_groups": 4}, [env], buf, pub)
+    ray.get(ctl.start.remote())
+    batch = ray.get(buf.next_batch.remote(0, 1, 20.0))
+    assert batch is not None and {s.task_id for s in batch.samples} <= {"t1", "t3"}
+    assert ray.get(ctl.status.remote())["count/groups_filtered"] >= 1
+    ray.get(ctl.stop.remote())
+
+
+class VarianceEnvActor:
+    """Odd tasks get rewards 0 and 1 in a group; even tasks always 1 (filtered)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    async def run(self, task: Task, group_id: str, sampling: dict | None = None) -> Trajectory:
+        self.n += 1
+        odd = int(task.id[1:]) % 2 == 1
+        r = float(self.n % 2) if odd else 1.0
+        return Trajectory(session_id="s", tokens=[1, 2], mask=[0, 1], logprobs=[None, -0.1],
+                          versions=[None, 0], provenance=["prompt", "generated"],
+                          task_id=task.id, group_id=group_id, reward=Reward(r))
