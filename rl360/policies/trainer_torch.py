@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,6 +137,12 @@ class TorchTrainer:
         torch.manual_seed(config.seed)
         random.seed(config.seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        # tokenizer / template files, read now: the directory we loaded from may be an older
+        # checkpoint that checkpoint rotation deletes before our next save
+        self._side_files = {
+            f.name: f.read_bytes() for f in self.model_path.iterdir()
+            if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES)
+        }
         self.model.train(False)  # no dropout: old == current must hold exactly
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -349,10 +354,9 @@ class TorchTrainer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, safe_serialization=True)
-        for f in self.model_path.iterdir():
-            if (f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES)
-                    and not (out / f.name).exists()):
-                shutil.copy2(f, out / f.name)
+        for name, data in self._side_files.items():
+            if not (out / name).exists():
+                (out / name).write_bytes(data)
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),

@@ -60,7 +60,10 @@ def test_train_checkpoint_kill_and_resume(tmp_path: Path) -> None:
 
     AutoModelForCausalLM.from_pretrained(ckpts[-1] / "model")  # a plain HF checkpoint
 
-    out = subprocess.run(train_cmd(tmp_path, 6, "--resume"), cwd=REPO, env=env,
+    # keep_checkpoints=1: the checkpoint we resume from is rotated away at the first save, and
+    # later saves must not need it (they once copied tokenizer files from it)
+    resume = [*train_cmd(tmp_path, 6, "--resume"), "--set", "train.keep_checkpoints=1"]
+    out = subprocess.run(resume, cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert f"resumed from {ckpts[-1]}" in out.stderr
