@@ -36,7 +36,6 @@ def run(staleness: int, args: argparse.Namespace, out: Path) -> tuple[float, flo
         "train.tasks=['examples/tasks/code.jsonl']", "train.sampling.max_tokens=8",
         "train.checkpoint_every=0", "train.wandb='disabled'", "trainer.lr=1e-4",
     ]))
-    recipe.env.env = "synthetic"
     t0 = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):
         run_train(recipe)

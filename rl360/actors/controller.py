@@ -218,6 +218,9 @@ class RolloutController:
             return
         self._lost_in_a_row = 0
         self.done_times[g.batch].append(time.monotonic() - g.started)
+        oldest = min((x.batch for x in self.inflight.values()), default=g.batch)
+        for old in [b for b in self.done_times if b < oldest]:  # bounded: no group needs them
+            del self.done_times[old]
         if not await self.buffer.add_group.remote(gid, g.task.id, [g.refs]):
             # filtered (no reward variance, or all infra failures): its batch slot goes to
             # another group, or the staleness gate would wait for a batch that never fills

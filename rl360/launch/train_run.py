@@ -161,7 +161,6 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
 
     tr = recipe.train
     last_engine: dict[str, dict[str, Any]] = {}
-    cstat: dict[str, Any] = {}
     for step in range(step0 + 1, tr.steps + 1):
         t0 = time.monotonic()
         batch = None
