@@ -1,0 +1,247 @@
+"""The device-independent half of collective weight sync: what goes in which bucket, which
+trainer name lands on which engine name, and per-tensor checksums to prove a sync arrived
+intact. Pure functions of tensor metadata (and of tensors for checksums); the NCCL half lives in
+rl360.serve.nccl.
+
+A *spec* is the trainer's `[(name, shape, dtype_str), ...]` in send order
+(rl360.serve.transports.tensor_spec). Buckets keep that order, so sender and receivers agree on
+the byte stream without any extra handshake.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+Spec = list[tuple[str, list[int], str]]
+
+DTYPE_BYTES: dict[str, int] = {
+    "torch.float64": 8, "torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2,
+    "torch.int64": 8, "torch.int32": 4, "torch.int16": 2, "torch.int8": 1, "torch.uint8": 1,
+    "torch.bool": 1, "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1,
+}
+
+
+class SyncOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How a collective weight sync moves bytes (recipe: train.weight_sync_*).
+
+    backend: "gloo" (CPU tensors, any machine) or "nccl" (GPU tensors, trainer rank 0 and the
+      engine workers each on their own GPU).
+    bucket_mb: tensors are sent in buckets of at most this many MB (one bigger tensor is a
+      bucket of its own); bounds the extra GPU memory of a sync to one bucket.
+    layout: "flat" packs a bucket into one buffer per dtype (our own receivers); "per_tensor"
+      broadcasts each tensor of a bucket in order (what SGLang's and vLLM's
+      update_weights_from_distributed receive). "auto" picks by engine backend.
+    checksum: after a sync, engines report per-tensor checksums of what they now serve; the
+      sender compares them with its own and reports every mismatch by name (debug: costs a
+      pass over the weights on both sides).
+    ipc: "auto" uses CUDA IPC handles instead of NCCL when the sender and an engine share one
+      physical GPU (NCCL cannot put two ranks on one device); "never" forbids it.
+    """
+
+    backend: Literal["gloo", "nccl"] = "gloo"
+    bucket_mb: float = 512.0
+    layout: Literal["auto", "flat", "per_tensor"] = "auto"
+    checksum: bool = False
+    ipc: Literal["auto", "never"] = "auto"
+    group_name: str = "rl360-weights"
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ValueError(f"weight sync bucket_mb must be > 0, got {self.bucket_mb}")
+
+
+def numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def nbytes(shape: Iterable[int], dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r} in weight spec; known: {sorted(DTYPE_BYTES)}")
+    return numel(shape) * DTYPE_BYTES[dtype]
+
+
+def plan_buckets(spec: Spec, bucket_mb: float) -> list[Spec]:
+    """Cut `spec` (in order) into consecutive buckets of at most `bucket_mb` MB each; a tensor
+    larger than the limit gets a bucket of its own. Every tensor appears exactly once."""
+    if bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+    limit = int(bucket_mb * 1024 * 1024)
+    buckets: list[Spec] = []
+    current: Spec = []
+    size = 0
+    seen: set[str] = set()
+    for name, shape, dtype in spec:
+        if name in seen:
+            raise ValueError(f"weight spec names {name!r} twice")
+        seen.add(name)
+        b = nbytes(shape, dtype)
+        if current and size + b > limit:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, list(shape), dtype))
+        size += b
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_bytes(bucket: Spec) -> int:
+    return sum(nbytes(s, d) for _, s, d in bucket)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+class NameMap(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Trainer parameter names -> the names an engine loads.
+
+    Applied in order: strip the first matching prefix (DDP's "module.", torch.compile's
+    "_orig_mod.", ...), then each (regex, replacement) rename, then drop names matching any
+    `drop` regex (e.g. "lm_head.weight" of a tied-embedding model when the engine ties itself).
+    """
+
+    strip_prefixes: list[str] = msgspec.field(
+        default_factory=lambda: ["module.", "_orig_mod.", "_fsdp_wrapped_module."])
+    renames: list[tuple[str, str]] = msgspec.field(default_factory=list)
+    drop: list[str] = msgspec.field(default_factory=list)
+
+    def map(self, name: str) -> str | None:
+        changed = True
+        while changed:  # wrappers nest: module._orig_mod.x
+            changed = False
+            for p in self.strip_prefixes:
+                if p and name.startswith(p):
+                    name, changed = name[len(p):], True
+        for pattern, repl in self.renames:
+            name = re.sub(pattern, repl, name)
+        if any(re.search(d, name) for d in self.drop):
+            return None
+        return name
+
+    def apply(self, spec: Spec) -> Spec:
+        out: Spec = []
+        origin: dict[str, str] = {}
+        for name, shape, dtype in spec:
+            mapped = self.map(name)
+            if mapped is None:
+                continue
+            if mapped in origin:
+                raise ValueError(f"name map sends both {origin[mapped]!r} and {name!r} to "
+                                 f"{mapped!r}")
+            origin[mapped] = name
+            out.append((mapped, shape, dtype))
+        return out
+
+
+class NameCheck(msgspec.Struct):
+    missing: list[str]  # the engine has it, the trainer does not send it
+    unexpected: list[str]  # the trainer sends it, the engine has no such tensor
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.unexpected
+
+
+def check_names(sent: Iterable[str], engine: Iterable[str]) -> NameCheck:
+    s, e = set(sent), set(engine)
+    return NameCheck(missing=sorted(e - s), unexpected=sorted(s - e))
+
+
+# ----------------------------------------------------------------------------- checksums
+
+_INT_VIEW = {1: "uint8", 2: "int16", 4: "int32"}
+_MOD = 2**61 - 1  # a Mersenne prime; the running total is reduced modulo it
+_CHUNK = 1 << 22  # elements per step: (2**32 - 1) * 251 * 2**22 < 2**63, so sums are exact
+
+
+def tensor_checksum(t: torch.Tensor, limit: int | None = None) -> int:
+    """A position-weighted sum of the tensor's raw bits in exact integer arithmetic, so CPU and
+    GPU, in any summation order, give the same value; catches flipped, shifted and swapped
+    elements. 8-byte elements are read as two 32-bit words. `limit` checksums only the first
+    `limit` elements (for engines that expose just a prefix of a weight, like SGLang's
+    get_weights_by_name)."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)
+    if limit is not None:
+        flat = flat[:limit]
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.element_size() == 8:
+        flat = flat.view(torch.int32)
+    width = flat.element_size()
+    bits = flat.view(getattr(torch, _INT_VIEW[width]))
+    mask = (1 << (8 * width)) - 1
+    total = 0
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start:start + _CHUNK].to(torch.int64) & mask  # unsigned raw bits
+        pos = torch.arange(start, start + chunk.numel(), device=chunk.device) % 251 + 1
+        total = (total + int((chunk * pos).sum())) % _MOD
+    return (total + numel(flat.shape) * 1_000_003 + width) % _MOD
+
+
+def checksum_state(state: Mapping[str, torch.Tensor],
+                   limits: Mapping[str, int | None] | None = None,
+                   dtype: str | None = None) -> dict[str, int]:
+    """Checksums of `state`, or of the names in `limits` only (each up to its element limit),
+    after casting to `dtype` (e.g. "torch.bfloat16": the engine's dtype, so a trainer in fp32
+    and an engine in bf16 compare what the engine should hold)."""
+    import torch
+
+    cast = getattr(torch, dtype.removeprefix("torch.")) if dtype else None
+    names = list(limits) if limits is not None else list(state)
+    out: dict[str, int] = {}
+    for k in names:
+        if k not in state:
+            continue
+        v = state[k]
+        lim = limits.get(k) if limits is not None else None
+        if lim is not None:
+            v = v.detach().reshape(-1)[:lim]
+        out[k] = tensor_checksum(v.to(cast) if cast is not None else v)
+    return out
+
+
+class Mismatch(msgspec.Struct):
+    name: str
+    reason: str  # "missing on engine" | "not sent" | "checksum differs"
+
+
+class SyncReport(msgspec.Struct):
+    version: int
+    replica: str
+    checked: int
+    mismatches: list[Mismatch]
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def summary(self) -> str:
+        if self.ok:
+            return f"version {self.version} on {self.replica}: {self.checked} tensors match"
+        names = ", ".join(f"{m.name} ({m.reason})" for m in self.mismatches[:10])
+        more = f" and {len(self.mismatches) - 10} more" if len(self.mismatches) > 10 else ""
+        return (f"version {self.version} on {self.replica}: {len(self.mismatches)} of "
+                f"{self.checked} tensors differ: {names}{more}")
+
+
+def compare_checksums(trainer: Mapping[str, int], engine: Mapping[str, int], *, version: int,
+                      replica: str) -> SyncReport:
+    """Every tensor the trainer sent must be on the engine with the same checksum."""
+    mismatches = [Mismatch(n, "missing on engine") for n in sorted(trainer) if n not in engine]
+    mismatches += [Mismatch(n, "not sent") for n in sorted(engine) if n not in trainer]
+    mismatches += [Mismatch(n, "checksum differs") for n in sorted(trainer)
+                   if n in engine and int(trainer[n]) != int(engine[n])]
+    return SyncReport(version=version, replica=replica, checked=len(trainer),
+                      mismatches=mismatches)
