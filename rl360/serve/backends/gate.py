@@ -1,0 +1,69 @@
+"""A version gate for engines that batch on their own (SGLang, vLLM): requests hold a read
+side for their whole generation, a weight update holds the write side.
+
+While an update waits, new requests wait behind it (writer preference, so a steady stream of
+requests cannot starve the trainer); the update starts once the requests already running have
+finished. So a sequence is generated under one version, which the gate names, and an engine
+never serves a half-applied update. `pause()` closes the gate to new requests without an update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class VersionGate:
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self._readers = 0
+        self._writers_waiting = 0
+        self._writing = False
+        self._paused = False
+        self._cond = asyncio.Condition()
+
+    @property
+    def in_flight(self) -> int:
+        return self._readers
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @asynccontextmanager
+    async def reading(self) -> AsyncIterator[int]:
+        """Hold for one generation; yields the version it runs under."""
+        async with self._cond:
+            await self._cond.wait_for(
+                lambda: not self._writing and not self._writers_waiting and not self._paused)
+            self._readers += 1
+            version = self.version
+        try:
+            yield version
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def writing(self) -> AsyncIterator[None]:
+        """Hold while weights change: waits for running generations, blocks new ones."""
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+    async def set_paused(self, paused: bool) -> None:
+        async with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
