@@ -1,5 +1,6 @@
 """The trainer group: W Ray actors (`TrainerWorker`, named `rl360-trainer-{rank}`), each
-holding a TorchTrainer, one data-parallel rank each.
+holding a trainer built by `rl360.policies.trainer_backends.build_trainer` (the recipe's
+`trainer.backend`: "torch" or "megatron"), one data-parallel rank each.
 
 With W > 1 the workers join a torch.distributed gloo group (rank 0's node address and a free
 port there, found by rank 0 and handed to all ranks by the group). Per step the group counts
@@ -30,6 +31,7 @@ from rl360.types import Batch, TrainSample
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from rl360.policies.megatron.model import ParallelConfig
     from rl360.policies.trainer_torch import TrainerConfig
 
 log = logging.getLogger("rl360.trainer_group")
@@ -55,7 +57,8 @@ def split_by_tokens(samples: list[TrainSample], world_size: int) -> list[list[in
 
 
 class TrainerWorker:
-    """One rank: a TorchTrainer, plus its torch.distributed membership when W > 1."""
+    """One rank: a trainer (TorchTrainer or another backend with its interface), plus its
+    torch.distributed membership when W > 1."""
 
     def __init__(self, rank: int, world_size: int, threads: int) -> None:
         self.rank = rank
@@ -68,12 +71,15 @@ class TrainerWorker:
         return host, free_port(host)
 
     def setup(
-        self, config_bytes: bytes, model_path: str, master: tuple[str, int], timeout_s: float
+        self, config_bytes: bytes, model_path: str, master: tuple[str, int], timeout_s: float,
+        backend: str = "torch", parallel_bytes: bytes | None = None,
     ) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
-        from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+        from rl360.policies.megatron.model import ParallelConfig
+        from rl360.policies.trainer_backends import build_trainer
+        from rl360.policies.trainer_torch import TrainerConfig
 
         torch.set_num_threads(self.threads)
         config = msgspec.msgpack.decode(config_bytes, type=TrainerConfig)
@@ -85,7 +91,9 @@ class TrainerWorker:
                 "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
             )
-        self.trainer = TorchTrainer(config, model_path)
+        parallel = (msgspec.msgpack.decode(parallel_bytes, type=ParallelConfig)
+                    if parallel_bytes else None)
+        self.trainer = build_trainer(backend, config, model_path, parallel)
         n = sum(p.numel() for p in self.trainer.params)
         return {"rank": self.rank, "params": n, "pid": os.getpid()}
 
@@ -138,6 +146,8 @@ class TrainerGroup:
         threads: int = 0,
         name_prefix: str = "rl360-trainer",
         timeout_s: float = 600.0,
+        backend: str = "torch",
+        parallel: ParallelConfig | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"trainer group needs workers >= 1, got {workers}")
@@ -154,14 +164,16 @@ class TrainerGroup:
         try:
             master = self._get(self.workers[0].address.remote(), "address")
             cfg = msgspec.msgpack.encode(config)
+            par = msgspec.msgpack.encode(parallel) if parallel is not None else None
             self.info = self._get(
-                [w.setup.remote(cfg, str(model_path), master, timeout_s) for w in self.workers],
+                [w.setup.remote(cfg, str(model_path), master, timeout_s, backend, par)
+                 for w in self.workers],
                 "setup",
             )
         except BaseException:
             self._kill()
             raise
-        log.info("trainer group up: %d worker(s) %s", workers, self.names)
+        log.info("trainer group up: %d %s worker(s) %s", workers, backend, self.names)
 
     # ------------------------------------------------------------------ stepping
 

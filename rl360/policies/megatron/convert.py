@@ -1,0 +1,156 @@
+"""HF <-> megatron-core weight conversion for Llama- and Qwen2-family causal LMs.
+
+Megatron's GPT layer (local spec) differs from HF's Llama/Qwen2 layer in three ways:
+- q, k and v are one `linear_qkv` whose output rows are grouped by KV head: for each of the
+  `num_query_groups` groups, that group's query heads, then its key head, then its value head
+  (each `head_dim` rows). Qwen2's q/k/v biases are fused the same way.
+- gate and up projections are one `linear_fc1` = [gate; up] (megatron's SwiGLU computes
+  silu(first half) * second half).
+- names: embedding.word_embeddings, decoder.layers.N.{input_layernorm, self_attention.linear_qkv,
+  self_attention.linear_proj, pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2},
+  decoder.final_layernorm, output_layer (absent when the embeddings are tied).
+
+Both directions only reshape and concatenate/split, so a round trip is bit-exact. Nothing here
+imports megatron-core.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+SUPPORTED = ("llama", "qwen2")
+
+
+class GPTShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What the conversion and the megatron model need to know about an HF config."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    max_positions: int
+    tied: bool
+    qkv_bias: bool
+
+
+def _rope_theta(cfg: Any) -> float:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"megatron conversion: rope type {kind!r} is not supported "
+                         "(only plain RoPE)")
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        raise ValueError("megatron conversion: the HF config has no rope_theta")
+    return float(theta)
+
+
+def shape_from_hf(cfg: Any) -> GPTShape:
+    """A GPTShape from a transformers config, or a ValueError naming what is unsupported."""
+    family = getattr(cfg, "model_type", None)
+    if family not in SUPPORTED:
+        raise ValueError(f"megatron conversion: model_type {family!r} not in {list(SUPPORTED)}")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"megatron conversion: hidden_act {cfg.hidden_act!r} is not 'silu'")
+    if getattr(cfg, "mlp_bias", False):
+        raise ValueError("megatron conversion: mlp_bias=True is not supported")
+    if family == "llama" and getattr(cfg, "attention_bias", False):
+        raise ValueError("megatron conversion: llama attention_bias=True (o_proj bias) is not "
+                         "supported")
+    if family == "qwen2" and getattr(cfg, "use_sliding_window", False):
+        raise ValueError("megatron conversion: qwen2 use_sliding_window=True is not supported")
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    if heads % kv:
+        raise ValueError(f"megatron conversion: {heads} attention heads not divisible by "
+                         f"{kv} key/value heads")
+    head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+    return GPTShape(
+        family=family, vocab_size=int(cfg.vocab_size), hidden_size=int(cfg.hidden_size),
+        ffn_hidden_size=int(cfg.intermediate_size), num_layers=int(cfg.num_hidden_layers),
+        num_heads=heads, num_kv_heads=kv, head_dim=int(head_dim),
+        norm_eps=float(cfg.rms_norm_eps), rope_theta=_rope_theta(cfg),
+        max_positions=int(cfg.max_position_embeddings),
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=family == "qwen2",
+    )
+
+
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, s: GPTShape) -> Tensor:
+    g, d = s.num_kv_heads, s.head_dim
+    rest = q.shape[1:]
+    parts = (q.reshape(g, -1, d, *rest), k.reshape(g, 1, d, *rest), v.reshape(g, 1, d, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: Tensor, s: GPTShape) -> tuple[Tensor, Tensor, Tensor]:
+    g, d, per = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, per + 2, d, *rest)
+    q, k, v = grouped.split([per, 1, 1], dim=1)
+    return (q.reshape(-1, *rest).contiguous(), k.reshape(-1, *rest).contiguous(),
+            v.reshape(-1, *rest).contiguous())
+
+
+def _need(sd: dict[str, Tensor], key: str) -> Tensor:
+    if key not in sd:
+        raise KeyError(f"megatron conversion: state dict has no {key!r}")
+    return sd[key]
+
+
+def hf_to_mcore(hf: dict[str, Tensor], s: GPTShape) -> dict[str, Tensor]:
+    out = {"embedding.word_embeddings.weight": _need(hf, "model.embed_tokens.weight"),
+           "decoder.final_layernorm.weight": _need(hf, "model.norm.weight")}
+    if not s.tied:
+        out["output_layer.weight"] = _need(hf, "lm_head.weight")
+    for i in range(s.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[m + "input_layernorm.weight"] = _need(hf, h + "input_layernorm.weight")
+        out[m + "self_attention.linear_qkv.weight"] = _fuse_qkv(
+            _need(hf, a + "q_proj.weight"), _need(hf, a + "k_proj.weight"),
+            _need(hf, a + "v_proj.weight"), s)
+        if s.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
+                _need(hf, a + "q_proj.bias"), _need(hf, a + "k_proj.bias"),
+                _need(hf, a + "v_proj.bias"), s)
+        out[m + "self_attention.linear_proj.weight"] = _need(hf, a + "o_proj.weight")
+        out[m + "pre_mlp_layernorm.weight"] = _need(hf, h + "post_attention_layernorm.weight")
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [_need(hf, h + "mlp.gate_proj.weight"), _need(hf, h + "mlp.up_proj.weight")], dim=0)
+        out[m + "mlp.linear_fc2.weight"] = _need(hf, h + "mlp.down_proj.weight")
+    return out
+
+
+def mcore_to_hf(mc: dict[str, Tensor], s: GPTShape) -> dict[str, Tensor]:
+    """HF names; with tied embeddings lm_head.weight IS model.embed_tokens.weight (one tensor),
+    as in an HF model's own state_dict."""
+    embed = _need(mc, "embedding.word_embeddings.weight")
+    out = {"model.embed_tokens.weight": embed,
+           "model.norm.weight": _need(mc, "decoder.final_layernorm.weight"),
+           "lm_head.weight": embed if s.tied else _need(mc, "output_layer.weight")}
+    for i in range(s.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[h + "input_layernorm.weight"] = _need(mc, m + "input_layernorm.weight")
+        q, k, v = _split_qkv(_need(mc, m + "self_attention.linear_qkv.weight"), s)
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        if s.qkv_bias:
+            q, k, v = _split_qkv(_need(mc, m + "self_attention.linear_qkv.bias"), s)
+            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
+        out[a + "o_proj.weight"] = _need(mc, m + "self_attention.linear_proj.weight")
+        out[h + "post_attention_layernorm.weight"] = _need(mc, m + "pre_mlp_layernorm.weight")
+        gate, up = _need(mc, m + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        out[h + "mlp.gate_proj.weight"] = gate.contiguous()
+        out[h + "mlp.up_proj.weight"] = up.contiguous()
+        out[h + "mlp.down_proj.weight"] = _need(mc, m + "mlp.linear_fc2.weight")
+    return out

@@ -1,0 +1,64 @@
+"""Trainer backends by name: `build_trainer(backend, config, model_path, parallel)`.
+
+Every backend implements the `Trainer` protocol of `TorchTrainer` (the contract); the recipe's
+`trainer.backend` picks one. The megatron backend needs megatron-core (the `megatron` extra) and
+is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from rl360.policies.megatron.model import ParallelConfig
+from rl360.policies.trainer_torch import TrainerConfig
+from rl360.types import Batch
+
+
+class Trainer(Protocol):
+    step: int
+    params: list[Any]
+
+    def train_step(self, batch: Batch, global_tokens: int | None = None,
+                   global_seqs: int | None = None) -> dict[str, float]: ...
+
+    def state_dict_for_sync(self) -> dict[str, Tensor]: ...
+
+    def save(self, out_dir: str | Path) -> Path: ...
+
+    def load(self, in_dir: str | Path) -> None: ...
+
+
+TrainerFactory = Callable[[TrainerConfig, "str | Path", ParallelConfig], Trainer]
+
+
+def _torch(config: TrainerConfig, model_path: str | Path, parallel: ParallelConfig) -> Trainer:
+    from rl360.policies.trainer_torch import TorchTrainer
+
+    return TorchTrainer(config, model_path)  # data parallel only; placement warns on TP/PP
+
+
+def _megatron(config: TrainerConfig, model_path: str | Path, parallel: ParallelConfig) -> Trainer:
+    try:
+        import megatron.core  # noqa: F401
+
+        from rl360.policies.megatron.trainer import MegatronTrainer
+    except ImportError as exc:
+        raise ImportError("trainer.backend='megatron' needs megatron-core: "
+                          "pip install --no-deps 'megatron-core==0.16.0' "
+                          f"(or `make test-megatron`); import failed: {exc}") from exc
+    return MegatronTrainer(config, model_path, parallel)
+
+
+TRAINER_BACKENDS: dict[str, TrainerFactory] = {"torch": _torch, "megatron": _megatron}
+
+
+def build_trainer(backend: str, config: TrainerConfig, model_path: str | Path,
+                  parallel: ParallelConfig | None = None) -> Trainer:
+    factory = TRAINER_BACKENDS.get(backend)
+    if factory is None:
+        raise ValueError(f"trainer backend {backend!r} not in {sorted(TRAINER_BACKENDS)}")
+    return factory(config, model_path, parallel or ParallelConfig())
