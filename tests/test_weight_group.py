@@ -1,0 +1,67 @@
+"""The bucketed broadcast of rl360.serve.nccl run over gloo on CPU: a sender and a receiver
+process in a standalone group (the group code and bucket loop are the ones NCCL runs on GPUs;
+tests/gpu/test_nccl_sync.py runs them with NCCL)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from rl360.serve.nccl import WeightReceiver, WeightSender
+from rl360.serve.transports import free_port
+from rl360.serve.weight_plan import NameMap, checksum_state, plan_buckets
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "module.model.embed.weight": torch.randn(64, 16, generator=g),
+        "module.model.norm.weight": torch.randn(16, generator=g).to(torch.bfloat16),
+        "module.model.layers.0.w": torch.randn(32, 16, generator=g),
+        "module.model.step": torch.arange(5, dtype=torch.int64),
+        "module.lm_head.weight": torch.randn(64, 16, generator=g),
+    }
+
+
+def _receiver(port: int, group: str, buckets, layout: str, q) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    rx = WeightReceiver("127.0.0.1", port, 2, 1, "gloo", group)
+    got = rx.receive(buckets, layout)
+    q.put(checksum_state(got))
+    rx.close()
+
+
+@pytest.mark.parametrize("layout", ["flat", "per_tensor"])
+def test_bucketed_broadcast_arrives_intact(layout: str) -> None:
+    names = NameMap(drop=[r"^lm_head\."])
+    sender = WeightSender(_state, names)
+    spec = sender.spec()
+    assert [n for n, _, _ in spec] == ["model.embed.weight", "model.norm.weight",
+                                       "model.layers.0.w", "model.step"]
+    buckets = plan_buckets(spec, bucket_mb=0.002)  # ~2 KB: several buckets, one oversized
+    assert len(buckets) >= 3
+    port = free_port()
+    group = f"rl360-test-weights-{layout}"
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(port, group, buckets, layout, q), daemon=True)
+    proc.start()
+    try:
+        sender.open("127.0.0.1", port, 2, "gloo", group)
+        sent = sender.send(buckets, layout)
+        got = q.get(timeout=120)
+        sender.close()
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()  # our own child
+    assert sent == sum(v.numel() * v.element_size() for v in sender.state().values())
+    assert got == sender.checksums(dict.fromkeys(got), None)
+    assert set(got) == {n for n, _, _ in spec}
+
+
+def test_send_before_open_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="before open"):
+        WeightSender(_state).send()
