@@ -110,13 +110,44 @@ class TrainerWorker:
 
         return tensor_spec(self.trainer.state_dict_for_sync())
 
-    def open_group(self, host: str, port: int, world: int) -> None:
-        from rl360.serve.transports import GlooGroup
+    def open_group(self, host: str, port: int, world: int, backend: str = "gloo",
+                   group_name: str = "") -> None:
+        if not group_name:  # the CPU path: one gloo group, flat per-dtype buffers
+            from rl360.serve.transports import GlooGroup
 
-        self._weight_group = GlooGroup(host, port, 0, world)
+            self._weight_group = GlooGroup(host, port, 0, world)
+            return
+        self._sender().open(host, port, world, backend, group_name)
 
-    def send_weights(self) -> None:
-        self._weight_group.send(self.trainer.state_dict_for_sync())
+    def send_weights(self, buckets: list[Any] | None = None, layout: str = "flat") -> int:
+        """Broadcast the weights to the group's engines; returns the bytes sent."""
+        if buckets is None:
+            state = self.trainer.state_dict_for_sync()
+            self._weight_group.send(state)
+            return sum(v.numel() * v.element_size() for v in state.values())
+        return self._sender().send(buckets, layout)
+
+    # GPU weight sync (rl360.serve.nccl) and its checksum debug option
+    def _sender(self) -> Any:
+        if getattr(self, "_weight_sender", None) is None:
+            from rl360.serve.nccl import WeightSender
+
+            self._weight_sender = WeightSender(lambda: self.trainer.state_dict_for_sync())
+        return self._weight_sender
+
+    def gpu_uuid(self) -> str:
+        from rl360.serve.nccl import gpu_uuid
+
+        return gpu_uuid()
+
+    def weight_ipc(self, ranks: int) -> list[bytes]:
+        return self._sender().ipc_payload(ranks)
+
+    def release_weight_ipc(self) -> None:
+        self._sender().release_ipc()
+
+    def weight_checksums(self, limits: dict[str, int | None], dtype: str | None) -> dict[str, int]:
+        return self._sender().checksums(limits, dtype)
 
     def save(self, out_dir: str) -> str:
         return str(self.trainer.save(out_dir))

@@ -102,38 +102,146 @@ class ObjectStoreTransport:
 
 
 class CollectiveTransport:
-    """Broadcast from a sender holding the weights to every engine replica over gloo.
+    """Broadcast from a sender holding the weights to every engine replica: over gloo (CPU), or
+    on GPUs over NCCL / CUDA IPC (rl360.serve.nccl) as `options` (SyncOptions) say.
 
     `sender` is anything with `open_group(host, port, world)` and `send_weights()` remote
-    methods (the trainer's rank 0 worker, or a bench's stand-in)."""
+    methods (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths and the
+    checksum option also use `weight_spec`, `address`, `gpu_uuid`, `weight_ipc`,
+    `release_weight_ipc` and `weight_checksums` (rl360.actors.trainer_group.TrainerWorker)."""
 
-    def __init__(self, serving: Any, sender: Any, replicas: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, serving: Any, sender: Any, replicas: int, host: str = "127.0.0.1",
+                 options: Any = None) -> None:
+        from rl360.serve.weight_plan import SyncOptions
+
         self.serving, self.sender = serving, sender
         self.replicas, self.host = replicas, host
+        self.options: SyncOptions = options or SyncOptions()
         self.port = 0
         self.spec: list[tuple[str, list[int], str]] | None = None
+        self.last_reports: list[Any] = []  # SyncReport per replica after a checked sync
+        self._gpu: dict[str, Any] | None = None  # the GPU path's payload, once planned
 
     def publish(self, version: int) -> bool:
+        if self.options.backend == "gloo":
+            ok = self._publish_gloo(version)
+        else:
+            ok = self._publish_gpu(version)
+        if ok and self.options.checksum:
+            self.last_reports = self._verify(version)
+        return ok
+
+    def _publish_gloo(self, version: int) -> bool:
         import ray
 
         pub = self.serving.publisher
+        extra = {"checksum": True} if self.options.checksum else {}
         if not self.port:
             ranks = ray.get(pub.wait_registered.remote(self.replicas, 300.0))
             self.port = free_port(self.host)
             self.spec = ray.get(self.sender.weight_spec.remote())
             payload = {"kind": "collective", "host": self.host, "port": self.port,
-                       "world": self.replicas + 1, "ranks": ranks, "spec": self.spec}
+                       "world": self.replicas + 1, "ranks": ranks, "spec": self.spec, **extra}
             joined = self.sender.open_group.remote(self.host, self.port, self.replicas + 1)
             if not ray.get(pub.publish_collective.remote(version, payload)):
                 return False
             ray.get(joined)
         else:
             payload = {"kind": "collective", "host": self.host, "port": self.port,
-                       "world": self.replicas + 1, "spec": self.spec}
+                       "world": self.replicas + 1, "spec": self.spec, **extra}
             if not ray.get(pub.publish_collective.remote(version, payload)):
                 return False
         ray.get(self.sender.send_weights.remote())
         return True
+
+    def _plan_gpu(self) -> dict[str, Any]:
+        import ray
+
+        from rl360.serve.weight_plan import plan_buckets
+
+        o, pub = self.options, self.serving.publisher
+        ray.get(pub.wait_registered.remote(self.replicas, 300.0))
+        members: dict[str, dict[str, Any]] = ray.get(pub.members.remote())
+        sender_gpu = ray.get(self.sender.gpu_uuid.remote())
+        shared = sorted(r for r, m in members.items() if sender_gpu and m.get("gpu") == sender_gpu)
+        if shared and (o.ipc == "never" or len(shared) < len(members)):
+            raise RuntimeError(
+                f"engine replicas {shared} share GPU {sender_gpu} with trainer rank 0: NCCL "
+                "cannot put two ranks on one GPU. Colocate every replica with rank 0 (CUDA IPC, "
+                "train.weight_sync_ipc='auto') or give the engines GPUs of their own")
+        self.spec = ray.get(self.sender.weight_spec.remote())
+        layout = o.layout
+        if layout == "auto":
+            native = all(m.get("layout") == "per_tensor" for m in members.values())
+            layout = "per_tensor" if native else "flat"
+        base = {"kind": "collective", "checksum": o.checksum, "layout": layout,
+                "width": max((int(m.get("width", 1)) for m in members.values()), default=1)}
+        if shared:
+            return {**base, "backend": "ipc", "names": [n for n, _, _ in self.spec]}
+        host, port = ray.get(self.sender.address.remote())
+        world = 1 + sum(int(m.get("width", 1)) for m in members.values())
+        group = f"{o.group_name}-{port}"
+        payload = {**base, "backend": o.backend, "host": host, "port": port, "world": world,
+                   "group_name": group, "buckets": plan_buckets(self.spec, o.bucket_mb),
+                   "ranks": {r: m["offset"] for r, m in members.items()}}
+        payload["joined"] = self.sender.open_group.remote(host, port, world, o.backend, group)
+        return payload
+
+    def _publish_gpu(self, version: int) -> bool:
+        import ray
+
+        pub = self.serving.publisher
+        first = self._gpu is None
+        if self._gpu is None:
+            self._gpu = self._plan_gpu()
+        payload = {k: v for k, v in self._gpu.items() if k != "joined"}
+        if payload["backend"] == "ipc":
+            payload["ipc"] = ray.get(self.sender.weight_ipc.remote(payload["width"]))
+            if not ray.get(pub.publish_collective.remote(version, payload)):
+                return False
+            try:  # the shared tensors must outlive every engine's copy
+                ray.get(pub.wait_applied.remote(version, self.replicas, 600.0))
+            finally:
+                ray.get(self.sender.release_weight_ipc.remote())
+            return True
+        payload["first"] = first
+        if not ray.get(pub.publish_collective.remote(version, payload)):
+            return False
+        if first:
+            ray.get(self._gpu["joined"])
+        ray.get(self.sender.send_weights.remote(payload["buckets"], payload["layout"]))
+        return True
+
+    def _verify(self, version: int) -> list[Any]:
+        """Compare each replica's checksums of what it now serves with the sender's."""
+        import logging
+
+        import ray
+
+        from rl360.serve.weight_plan import compare_checksums
+
+        log = logging.getLogger("rl360.weights")
+        pub = self.serving.publisher
+        reports = ray.get(pub.wait_checksums.remote(version, self.replicas, 600.0))
+        names = [n for n, _, _ in self.spec or []]
+        out = []
+        for replica, rep in sorted(reports.items()):
+            sums = rep["sums"]
+            limits = {n: (sums[n][0] if n in sums else None) for n in names}
+            ours = ray.get(self.sender.weight_checksums.remote(limits, rep.get("dtype")))
+            report = compare_checksums(ours, {n: v[1] for n, v in sums.items()},
+                                       version=version, replica=replica)
+            (log.info if report.ok else log.error)("weight checksum: %s", report.summary())
+            out.append(report)
+        return out
+
+
+def sync_options(train: Any) -> Any:
+    """SyncOptions from a recipe's [train] section (weight_sync_* keys)."""
+    from rl360.serve.weight_plan import SyncOptions
+
+    return SyncOptions(backend=train.weight_sync_backend, bucket_mb=train.weight_bucket_mb,
+                       checksum=train.weight_checksum, ipc=train.weight_sync_ipc)
 
 
 TRANSPORTS = {"object_store": ObjectStoreTransport, "collective": CollectiveTransport}

@@ -30,6 +30,9 @@ class WeightPublisher:
         self.applied: dict[str, tuple[int, float]] = {}
         self.engine_stats: dict[str, dict[str, Any]] = {}
         self.ranks: dict[str, int] = {}
+        self._members: dict[str, dict[str, Any]] = {}  # replica -> offset, width, gpu, layout
+        self._next_rank = 1
+        self.checksums: dict[int, dict[str, dict[str, Any]]] = {}  # version -> replica -> report
 
     async def publish(self, version: int, wrapped_ref: list[Any] | dict[str, Any]) -> bool:
         if version <= self.version:
@@ -44,13 +47,45 @@ class WeightPublisher:
         """Announce a version sent over a collective group (see rl360.serve.transports)."""
         return await self.publish(version, payload)  # type: ignore[arg-type]
 
-    async def register(self, replica: str) -> int:
-        """An engine replica's rank in collective weight groups (1..N; the sender is 0)."""
+    async def register(self, replica: str, info: dict[str, Any] | None = None) -> int:
+        """An engine replica's first rank in collective weight groups (the sender is 0). A
+        replica takes `info["width"]` consecutive ranks (one per tensor-parallel worker of an
+        engine that joins the group itself); `info` also carries its GPU's UUID and the
+        broadcast layout it receives (see CollectiveTransport)."""
         if replica not in self.ranks:
-            self.ranks[replica] = len(self.ranks) + 1
+            info = dict(info or {})
+            width = max(1, int(info.get("width", 1)))
+            self.ranks[replica] = self._next_rank
+            self._members[replica] = {**info, "offset": self._next_rank, "width": width}
+            self._next_rank += width
             self._applied_changed.set()
             self._applied_changed = asyncio.Event()
         return self.ranks[replica]
+
+    async def members(self) -> dict[str, dict[str, Any]]:
+        return {r: dict(m) for r, m in self._members.items()}
+
+    async def report_checksums(self, replica: str, version: int, report: dict[str, Any]) -> None:
+        """A replica's {"dtype": ..., "sums": {name: [elements, checksum]}} after `version`."""
+        self.checksums.setdefault(version, {})[replica] = report
+        for old in [v for v in self.checksums if v < version - 4]:
+            del self.checksums[old]
+        self._applied_changed.set()
+        self._applied_changed = asyncio.Event()
+
+    async def wait_checksums(self, version: int, replicas: int,
+                             timeout_s: float) -> dict[str, dict[str, Any]]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.checksums.get(version, {})) < replicas:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(self.checksums.get(version, {}))} of {replicas} "
+                                   f"replicas reported weight checksums for version {version}")
+            try:
+                await asyncio.wait_for(self._applied_changed.wait(), remaining)
+            except TimeoutError:
+                pass
+        return dict(self.checksums[version])
 
     async def wait_registered(self, replicas: int, timeout_s: float) -> dict[str, int]:
         deadline = time.monotonic() + timeout_s
@@ -106,7 +141,9 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     the backend's health (busy time, tokens) every `poll_s` for the run's metrics."""
     import asyncio as aio
 
-    rank = await publisher.register.remote(replica)
+    from rl360.serve.collective_replica import replica_info
+
+    rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None
     have = backend.version
     while True:
@@ -114,7 +151,11 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         version, payload = await publisher.wait_newer.remote(have, poll_s)
         if version <= have or not payload:
             continue
-        if isinstance(payload, dict):  # collective: join the group once, then receive
+        if isinstance(payload, dict) and payload.get("backend", "gloo") != "gloo":
+            from rl360.serve.collective_replica import gpu_state
+
+            state, group = await gpu_state(payload, backend, rank, group)
+        elif isinstance(payload, dict):  # collective: join the group once, then receive
             from rl360.serve.transports import GlooGroup
 
             if group is None:
@@ -125,6 +166,11 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
             state = await payload[0]
         if await backend.update_weights(version, state):
             have = version
+            if isinstance(payload, dict) and payload.get("checksum"):
+                from rl360.serve.collective_replica import engine_checksums
+
+                sums = await engine_checksums(backend, payload, state)
+                await publisher.report_checksums.remote(replica, version, sums)
             await publisher.report_applied.remote(replica, version)
         else:
             have = max(have, backend.version)
