@@ -77,7 +77,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     from rl360.launch.cluster import ray_session
     from rl360.policies.loading import resolve_model_path
     from rl360.serve.app import start_serving, stop_serving
-    from rl360.serve.transports import CollectiveTransport, ObjectStoreTransport
+    from rl360.serve.transports import CollectiveTransport, ObjectStoreTransport, sync_options
 
     tr = recipe.train
     run_dir = Path(recipe.run.out_dir) / recipe.run.name
@@ -133,7 +133,8 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
                  "tail_keep": tr.tail_keep, "tail_factor": tr.tail_factor},
                 pool.actors, buffer, serving.publisher)
         if tr.weight_transport == "collective":
-            transport: Any = CollectiveTransport(serving, trainer.workers[0], recipe.engine.replicas)
+            transport: Any = CollectiveTransport(serving, trainer.workers[0], recipe.engine.replicas,
+                                                 options=sync_options(tr))
         else:
             transport = ObjectStoreTransport(serving, trainer)
         sink = MetricsSink(run_dir, recipe.run.name, tr.steps, tr.wandb,
