@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo eval test test-fast lint clean venv sysdeps
+.PHONY: demo eval test test-fast test-megatron lint clean venv sysdeps
 
 venv: $(STAMP)
 
@@ -42,6 +42,20 @@ test: venv sysdeps
 # the quick tier: no Ray cluster, no end-to-end runs
 test-fast: venv
 	$(BIN)/python -m pytest -q tests -m "not ray and not slow and not smollm2"
+
+# the megatron-core trainer tier (CPU, TP = PP = 1). megatron-core goes into its own folder,
+# put on PYTHONPATH for this tier only, so `make test` and the main venv are unchanged;
+# --no-deps: it needs only torch, numpy and packaging, all already here (the CPU torch stays)
+MEGATRON_SITE := .venv-megatron/site
+MEGATRON_STAMP := .venv-megatron/.installed-0.16.0
+
+$(MEGATRON_STAMP): | venv
+	rm -rf $(MEGATRON_SITE)
+	$(BIN)/pip install -q --no-deps --target $(MEGATRON_SITE) 'megatron-core==0.16.0'
+	touch $(MEGATRON_STAMP)
+
+test-megatron: venv $(MEGATRON_STAMP)
+	PYTHONPATH=$(CURDIR)/$(MEGATRON_SITE) $(BIN)/python -m pytest -q tests/megatron
 
 lint: venv
 	$(BIN)/ruff check rl360 tests bench examples

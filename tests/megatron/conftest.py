@@ -81,3 +81,9 @@ def samples(n: int, *, seed: int = 0, vocab: int = 256, max_len: int = 24) -> li
             advantage=rng.gauss(0.0, 1.0), reward=float(rng.random() < 0.5),
         ))
     return out
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # megatron-core 0.16 warns at every layer about apex / TE / tp_group on this CPU-only setup
+    for category in ("DeprecationWarning", "UserWarning"):
+        config.addinivalue_line("filterwarnings", f"ignore::{category}:megatron")
