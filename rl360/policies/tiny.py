@@ -33,6 +33,10 @@ TINY_PRESETS: dict[str, TinyModelSpec] = {
     "default": TinyModelSpec(),
     # the CPU demo's policy (~0.3M parameters)
     "demo": TinyModelSpec(hidden_size=96, intermediate_size=256, num_hidden_layers=3),
+    # head_dim 32 (hidden / heads): the smallest vLLM's CPU attention runs (the presets above
+    # have 16 and 24); engine parity tests serve it from every backend
+    "parity": TinyModelSpec(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2),
     # ~113 MB of fp32 weights, for weight-sync benchmarks
     "sync100m": TinyModelSpec(hidden_size=768, intermediate_size=2048, num_hidden_layers=4,
                               num_attention_heads=12, num_key_value_heads=4),
