@@ -58,8 +58,10 @@ def gpu_uuid(device: int | None = None) -> str:
 
 
 def init_weight_group(backend: str, host: str, port: int, world: int, rank: int,
-                      group_name: str, timeout_s: float = 600.0) -> Any:
-    """Join (rank 0: host) a standalone process group of `world` ranks."""
+                      group_name: str, timeout_s: float = 1800.0) -> Any:
+    """Join (rank 0: host) a standalone process group of `world` ranks. The timeout also
+    bounds one broadcast: an engine drains its running generations before it receives, so it
+    is as long as SGLang's own default (30 min)."""
     from torch.distributed import distributed_c10d as c10d
 
     if backend == "nccl":

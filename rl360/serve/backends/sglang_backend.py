@@ -39,7 +39,8 @@ from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.sglang")
 
-_OWN_OPTIONS = {"mode", "url", "pause_mode", "seed_param", "launch_timeout_s", "checksum_prefix"}
+_OWN_OPTIONS = {"mode", "url", "pause_mode", "seed_param", "launch_timeout_s", "checksum_prefix",
+                "bucket_mb"}
 
 
 class SGLangOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -50,6 +51,7 @@ class SGLangOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed_param: str = "sampling_seed"
     launch_timeout_s: float = 600.0
     checksum_prefix: int = 64  # elements per tensor compared by weight_checksums()
+    bucket_mb: float = 1024.0  # object-store updates go to the GPU in buckets this large
 
 
 class CollectiveUpdate(msgspec.Struct):
@@ -225,10 +227,7 @@ class SGLangBackend:
                 check_result(await client.update_from_tensor(state.serialized_per_rank, True),
                              "update_weights_from_tensor (CUDA IPC)")
             elif isinstance(state, dict):
-                named = await asyncio.to_thread(self._to_device, state)
-                payload = serialize_named_tensors(named, self.tp, client.serialize_as_text)
-                check_result(await client.update_from_tensor(payload, True),
-                             "update_weights_from_tensor")
+                await self._apply_dict(client, state)
             else:
                 raise TypeError(f"sglang backend cannot apply weights of type {type(state)}")
             if not newer:
@@ -266,7 +265,9 @@ class SGLangBackend:
         for name in names:
             values = await client.get_weights(name, self.options.checksum_prefix)
             if isinstance(values, dict):  # HTTP wraps it
-                values = values.get("weights", values.get("data", values))
+                values = values.get("weights", values.get("data"))
+            if values is None:  # the engine has no tensor of that name: reported as missing
+                continue
             flat = torch.tensor(values, dtype=torch.float64).reshape(-1)
             flat = flat[: self.options.checksum_prefix].to(dtype)
             out[name] = (int(flat.numel()), tensor_checksum(flat))
@@ -316,8 +317,10 @@ class SGLangBackend:
                     if self.options.mode == "http":
                         self._client = sc.HttpClient(self.options.url, self._kwargs,
                                                      self.options.launch_timeout_s)
-                    else:  # created on the serving loop: the Engine binds to the running loop
-                        self._client = sc.EngineClient(self._kwargs)
+                    else:  # off the serving loop: start-up takes a while and must not
+                        # stall it (Serve's health checks run on it); the Engine's own
+                        # request loop is made lazily, on this loop, at the first request
+                        self._client = await asyncio.to_thread(sc.EngineClient, self._kwargs)
                 except BaseException as exc:
                     self._failure = exc
                     raise
@@ -325,14 +328,28 @@ class SGLangBackend:
                          self.model_path, self.tp)
         return self._client
 
-    def _to_device(self, state: dict[str, Any]) -> list[tuple[str, Any]]:
-        """CPU tensors from the object store go to this engine's GPU first: SGLang hands them
-        to its scheduler process by CUDA IPC (CPU tensors would travel as shared-memory file
-        descriptors, which its HTTP path cannot carry)."""
+    async def _apply_dict(self, client: Any, state: dict[str, Any]) -> None:
+        """A name -> tensor dict, in buckets of options.bucket_mb: each bucket goes to this
+        engine's GPU, then to SGLang's workers by CUDA IPC (CPU tensors would travel as
+        shared-memory file descriptors, which the HTTP path cannot carry); the prefix cache is
+        flushed once, after the last bucket. At most one bucket of extra GPU memory."""
+        from rl360.serve.backends.sglang_client import check_result
+        from rl360.serve.weight_plan import plan_buckets
+
+        spec = [(k, list(v.shape), str(v.dtype)) for k, v in state.items()]
+        buckets = plan_buckets(spec, self.options.bucket_mb)
+        for i, bucket in enumerate(buckets):
+            named = await asyncio.to_thread(self._to_device, state, [n for n, _, _ in bucket])
+            payload = serialize_named_tensors(named, self.tp, client.serialize_as_text)
+            check_result(await client.update_from_tensor(payload, i == len(buckets) - 1),
+                         f"update_weights_from_tensor (bucket {i + 1}/{len(buckets)})")
+            del named, payload
+
+    def _to_device(self, state: dict[str, Any], names: list[str]) -> list[tuple[str, Any]]:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        return [(k, torch.as_tensor(v).to(device, non_blocking=True)) for k, v in state.items()]
+        return [(k, torch.as_tensor(state[k]).to(device)) for k in names]
 
     async def _receive_collective(self, client: Any, update: CollectiveUpdate) -> None:
         from rl360.serve.backends.sglang_client import check_result
