@@ -36,3 +36,31 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
             assert next(iter(members.values()))["layout"] == "flat"
         finally:
             trainer.shutdown()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("layout", ["per_tensor"])
+def test_planned_bucketed_sync_over_gloo(ray_cluster, tiny_dir: Path, layout: str) -> None:  # type: ignore[no-untyped-def]
+    """The GPU transport's planned path (member ranks, buckets, a named group joined by a
+    receiver in the replica) with gloo in place of NCCL: two versions through one group."""
+    import ray
+
+    from rl360.actors.trainer_group import TrainerGroup
+    from rl360.policies.trainer_torch import TrainerConfig
+    from rl360.serve.transports import CollectiveTransport
+    from rl360.serve.weight_plan import SyncOptions
+
+    with serving(["engine.replicas=1"]) as handles:
+        trainer = TrainerGroup(TrainerConfig(), tiny_dir, 1, num_cpus=0)
+        try:
+            opts = SyncOptions(layout=layout, bucket_mb=0.02, checksum=True)
+            transport = CollectiveTransport(handles, trainer.workers[0], 1, options=opts)
+            for version in (1, 2):
+                assert transport.publish(version)
+                assert ray.get(handles.publisher.wait_applied.remote(version, 1, 120.0)) == version
+                [report] = transport.last_reports
+                assert report.ok and report.version == version, report.summary()
+            plan = transport._gpu
+            assert plan is not None and plan["backend"] == "gloo" and len(plan["buckets"]) > 1
+        finally:
+            trainer.shutdown()

@@ -123,9 +123,9 @@ class CollectiveTransport:
         self._gpu: dict[str, Any] | None = None  # the GPU path's payload, once planned
 
     def publish(self, version: int) -> bool:
-        if self.options.backend == "gloo":
-            ok = self._publish_gloo(version)
-        else:
+        if self.options.backend == "gloo" and self.options.layout == "auto":
+            ok = self._publish_gloo(version)  # one gloo group, one flat buffer per dtype
+        else:  # planned: buckets, a named group (NCCL, or gloo with an explicit layout)
             ok = self._publish_gpu(version)
         if ok and self.options.checksum:
             self.last_reports = self._verify(version)
@@ -174,7 +174,7 @@ class CollectiveTransport:
         if layout == "auto":
             native = all(m.get("layout") == "per_tensor" for m in members.values())
             layout = "per_tensor" if native else "flat"
-        base = {"kind": "collective", "checksum": o.checksum, "layout": layout,
+        base = {"kind": "collective", "planned": True, "checksum": o.checksum, "layout": layout,
                 "width": max((int(m.get("width", 1)) for m in members.values()), default=1)}
         if shared:
             return {**base, "backend": "ipc", "names": [n for n, _, _ in self.spec]}

@@ -37,7 +37,8 @@ class SyncOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
       bucket of its own); bounds the extra GPU memory of a sync to one bucket.
     layout: "flat" packs a bucket into one buffer per dtype (our own receivers); "per_tensor"
       broadcasts each tensor of a bucket in order (what SGLang's and vLLM's
-      update_weights_from_distributed receive). "auto" picks by engine backend.
+      update_weights_from_distributed receive). "auto" picks by engine backend (and, with
+      gloo, keeps the original unbucketed path: one flat buffer per dtype).
     checksum: after a sync, engines report per-tensor checksums of what they now serve; the
       sender compares them with its own and reports every mismatch by name (debug: costs a
       pass over the weights on both sides).

@@ -151,7 +151,7 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         version, payload = await publisher.wait_newer.remote(have, poll_s)
         if version <= have or not payload:
             continue
-        if isinstance(payload, dict) and payload.get("backend", "gloo") != "gloo":
+        if isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
             from rl360.serve.collective_replica import gpu_state
 
             state, group = await gpu_state(payload, backend, rank, group)
