@@ -165,9 +165,10 @@ class WeightSender:
     def spec(self) -> Spec:
         return [(k, list(v.shape), str(v.dtype)) for k, v in self.state().items()]
 
-    def open(self, host: str, port: int, world: int, backend: str, group_name: str) -> None:
+    def open(self, host: str, port: int, world: int, backend: str, group_name: str,
+             timeout_s: float = 1800.0) -> None:
         self.backend = backend
-        self.pg = init_weight_group(backend, host, port, world, 0, group_name)
+        self.pg = init_weight_group(backend, host, port, world, 0, group_name, timeout_s)
 
     def send(self, buckets: list[Spec] | None = None, layout: str = "flat",
              bucket_mb: float = 512.0) -> int:
@@ -224,9 +225,9 @@ class WeightReceiver:
     backend on a GPU)."""
 
     def __init__(self, host: str, port: int, world: int, rank: int, backend: str,
-                 group_name: str) -> None:
+                 group_name: str, timeout_s: float = 1800.0) -> None:
         self.backend = backend
-        self.pg = init_weight_group(backend, host, port, world, rank, group_name)
+        self.pg = init_weight_group(backend, host, port, world, rank, group_name, timeout_s)
 
     def receive(self, buckets: list[Spec], layout: str) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}

@@ -24,7 +24,7 @@ LOGS="${LOGS:-$REPO/gpu-check-logs}"
 mkdir -p "$LOGS"
 WORK="${WORK:-$(mktemp -d /tmp/rl360-gpu.XXXXXX)}"
 PY="${PYTHON:-python3}"
-T_INSTALL="${T_INSTALL:-110}"   # seconds; every timeout below can be overridden the same way
+T_INSTALL="${T_INSTALL:-90}"   # seconds; every timeout below can be overridden the same way
 T_MODEL="${T_MODEL:-40}"
 T_PHASE="${T_PHASE:-165}"
 START=$(date +%s)

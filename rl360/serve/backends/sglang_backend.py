@@ -20,6 +20,10 @@ engine contract (rl360.serve.backends.base.EngineBackend).
   collective update (CollectiveUpdate: NCCL group from trainer rank 0) via
   `init_weights_update_group` once and `update_weights_from_distributed` per bucket.
 
+HTTP mode: the replica still needs sglang importable for object-store updates (its serializer
+packs the CUDA-IPC handles), and the server must run on the GPU this replica sees; with a
+server elsewhere use the collective transport (the server joins the NCCL group itself).
+
 EngineConfig.options: our keys are in _OWN_OPTIONS; every other key is an SGLang ServerArgs
 keyword (e.g. mem_fraction_static, tp_size, chunked_prefill_size), passed as is.
 """
