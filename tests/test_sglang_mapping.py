@@ -30,6 +30,8 @@ def test_sampling_maps_to_sglang_names() -> None:
     assert out["sampling_seed"] == 11 and out["no_stop_trim"] is True
     assert "sampling_seed" not in to_sglang_sampling(sp, seed_param="")
     assert to_sglang_sampling(SamplingParams(top_k=20))["top_k"] == 20
+    assert out["repetition_penalty"] == 1.0 and out["min_p"] == 0.0  # no model defaults
+    assert to_sglang_sampling(SamplingParams(max_tokens=50), room=8)["max_new_tokens"] == 8
     with pytest.raises(ValueError, match="max_tokens"):
         to_sglang_sampling(SamplingParams(max_tokens=0))
 

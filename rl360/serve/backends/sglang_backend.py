@@ -101,14 +101,23 @@ def engine_kwargs(config: EngineConfig, model_path: str) -> dict[str, Any]:
     return kwargs
 
 
-def to_sglang_sampling(sp: SamplingParams, seed_param: str = "sampling_seed") -> dict[str, Any]:
+def to_sglang_sampling(sp: SamplingParams, seed_param: str = "sampling_seed",
+                       room: int | None = None) -> dict[str, Any]:
+    """SGLang sampling params. `room` (max_model_len - prompt length) caps max_new_tokens, so a
+    long prompt ends with finish_reason "length" as in the torch backend instead of an error.
+    Penalties are sent as neutral values: SGLang may otherwise take defaults from the model's
+    generation_config.json (e.g. a repetition penalty), which the torch backend never applies."""
     if sp.max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {sp.max_tokens}")
     out: dict[str, Any] = {
-        "max_new_tokens": sp.max_tokens,
+        "max_new_tokens": min(sp.max_tokens, room) if room is not None else sp.max_tokens,
         "temperature": max(sp.temperature, 0.0),
         "top_p": sp.top_p,
         "top_k": sp.top_k if sp.top_k and sp.top_k > 0 else -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
         "stop_token_ids": sorted(set(sp.stop_token_ids) | set(sp.eos_token_ids)),
         "no_stop_trim": True,
         "skip_special_tokens": False,
@@ -200,7 +209,8 @@ class SGLangBackend:
         if len(prompt_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len "
                              f"{self.config.max_model_len}")
-        payload = to_sglang_sampling(sampling, self.options.seed_param)
+        payload = to_sglang_sampling(sampling, self.options.seed_param,
+                                     room=self.config.max_model_len - len(prompt_ids))
         client = await self._ensure_client()
         async with self._gate.reading() as version:
             t0 = time.perf_counter()
