@@ -18,8 +18,11 @@ CUDA_VISIBLE_DEVICES numbering does not fool it):
   NCCL refuses two ranks on one device);
 - both processes are on one node and may open each other's CUDA IPC handles (same container or
   --ipc=host; not under MIG or a driver that forbids IPC);
+- both see that GPU under the same CUDA device index (a handle is opened on the index it was
+  made on; Ray's colocated placement gives both actors the same CUDA_VISIBLE_DEVICES);
 - the sender keeps the shared tensors alive until every engine has applied them (WeightSender
-  holds them until the next send or `release_ipc()`).
+  holds them until the next send or `release_ipc()`); the shared copy is the whole state on
+  that GPU, so colocation needs room for one extra copy of the weights.
 
 Everything here that needs a GPU raises a clear error without one; the planning, name mapping
 and checksums it uses are CPU code in rl360.serve.weight_plan.
