@@ -95,7 +95,11 @@ class TrainerWorker:
                     if parallel_bytes else None)
         self.trainer = build_trainer(backend, config, model_path, parallel)
         n = sum(p.numel() for p in self.trainer.params)
-        return {"rank": self.rank, "params": n, "pid": os.getpid()}
+        # where this rank sits: ranks of one data-parallel replica (tensor-parallel peers) get
+        # the same samples; a backend without model parallelism is one replica per rank
+        return {"rank": self.rank, "params": n, "pid": os.getpid(),
+                "dp_rank": int(getattr(self.trainer, "dp_rank", self.rank)),
+                "tp_rank": int(getattr(self.trainer, "tp_rank", 0))}
 
     def train_step(self, batch_bytes: bytes, global_tokens: int, global_seqs: int) -> dict[str, float]:
         batch = msgspec.msgpack.decode(batch_bytes, type=Batch)
@@ -212,9 +216,11 @@ class TrainerGroup:
         if isinstance(batch, ray.ObjectRef):
             batch = ray.get(batch)
         tokens, seqs = global_denominators(s.mask for s in batch.samples)
-        parts = split_by_tokens(batch.samples, self.world_size)
+        dp = [int(i.get("dp_rank", r)) for r, i in enumerate(self.info)]
+        parts = split_by_tokens(batch.samples, max(dp) + 1)
         refs = []
-        for w, idx in zip(self.workers, parts, strict=True):
+        for w, d in zip(self.workers, dp, strict=True):
+            idx = parts[d]
             shard = Batch(samples=[batch.samples[i] for i in idx], step=batch.step,
                           policy_version=batch.policy_version)
             refs.append(w.train_step.remote(msgspec.msgpack.encode(shard), tokens, seqs))
@@ -222,6 +228,8 @@ class TrainerGroup:
 
     def _merge(self, results: list[dict[str, float]]) -> dict[str, float]:
         merged = dict(results[0])  # ranks all-reduce their metrics: rank 0's are global
+        # one result per data-parallel replica (tensor-parallel peers saw the same samples)
+        results = [r for r, i in zip(results, self.info, strict=True) if not i.get("tp_rank", 0)]
         for k in _SUMMED:
             merged[k] = sum(r.get(k, 0.0) for r in results)
         merged["step_time_s"] = max(r["step_time_s"] for r in results)
@@ -254,7 +262,11 @@ class TrainerGroup:
         return self._get(self.state_dict_ref(), "state_dict_for_sync")
 
     def save(self, out_dir: str | Path) -> Path:
-        return Path(self._get(self.workers[0].save.remote(str(out_dir)), "save"))
+        """Every rank of data-parallel replica 0 writes its part (one rank without model
+        parallelism; with TP, rank 0 the model and each TP rank its optimizer slice)."""
+        writers = [w for w, i in zip(self.workers, self.info, strict=True)
+                   if not i.get("dp_rank", 0)]
+        return Path(self._get([w.save.remote(str(out_dir)) for w in writers], "save")[0])
 
     def load(self, in_dir: str | Path) -> int:
         steps = self._get([w.load.remote(str(in_dir)) for w in self.workers], "load")

@@ -94,9 +94,9 @@ class _Metrics:
                 self.sums[k] = self.sums.get(k, 0.0) + x * weight
                 self.weights[k] = self.weights.get(k, 0.0) + weight
 
-    def all_reduce(self) -> None:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.sums, self.weights, self.maxes))
+    def all_reduce(self, group: Any = None) -> None:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (self.sums, self.weights, self.maxes), group=group)
         self.sums, self.weights, self.maxes = {}, {}, {}
         for sums, weights, maxes in gathered:
             for k, v in sums.items():
@@ -175,7 +175,14 @@ class TorchTrainer:
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
+        """Data-parallel ranks: the ranks whose gradients, losses and metrics are summed."""
+        return dist.get_world_size(self.dp_group) if dist.is_initialized() else 1
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group (None: the default group, every rank is one).
+        Backends with model parallelism override this."""
+        return None
 
     # ------------------------------------------------------------------ training
 
@@ -189,7 +196,7 @@ class TorchTrainer:
         if global_tokens is None or global_seqs is None:
             counts = torch.tensor([local_tokens, local_seqs], dtype=torch.long)
             if self.world_size > 1:
-                dist.all_reduce(counts)
+                dist.all_reduce(counts, group=self.dp_group)
             global_tokens = int(counts[0]) if global_tokens is None else global_tokens
             global_seqs = int(counts[1]) if global_seqs is None else global_seqs
         acc = _Metrics()
@@ -201,8 +208,8 @@ class TorchTrainer:
         self._add_batch_metrics(batch, acc)
         if self.world_size > 1:
             self._all_reduce_grads()
-            dist.all_reduce(loss_total)
-            acc.all_reduce()
+            dist.all_reduce(loss_total, group=self.dp_group)
+            acc.all_reduce(self.dp_group)
         grad_norm = self._clip()
         finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_total))
         skipped = global_tokens == 0 or not finite
@@ -322,7 +329,7 @@ class TorchTrainer:
                 numel += g.numel()
             if bucket and (g is None or numel >= _BUCKET_NUMEL):
                 flat = torch.cat([t.reshape(-1) for t in bucket])
-                dist.all_reduce(flat)
+                dist.all_reduce(flat, group=self.dp_group)
                 offset = 0
                 for t in bucket:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -1,5 +1,6 @@
-"""Two megatron ranks in the Ray trainer group (gloo, data parallel 2 in megatron's
-parallel_state) step like one MegatronTrainer, and save/load restores every rank."""
+"""Two megatron ranks in the Ray trainer group (gloo) step like one MegatronTrainer, as data
+parallel 2 and as tensor parallel 2 (weights sliced, vocab-parallel logits, grad norm over
+the slices), and save/load restores every rank."""
 
 from __future__ import annotations
 
@@ -24,15 +25,22 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["dp2", "tp2"])
 def test_two_megatron_workers_step_like_one(ray_cluster, tiny_dir: Path,  # type: ignore[no-untyped-def]
-                                            tmp_path: Path) -> None:
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=3, loss=LossConfig(name="ppo"))
+                                            tmp_path: Path, tensor_parallel: int) -> None:
+    from rl360.policies.megatron.model import ParallelConfig
+
+    # grad_clip 0.5 < the grad norm: clipping must use the norm over all TP slices
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.5, loss=LossConfig(name="ppo"))
     one = MegatronTrainer(cfg, tiny_dir)
-    group = TrainerGroup(cfg, tiny_dir, 2, num_cpus=0, backend="megatron")
+    group = TrainerGroup(cfg, tiny_dir, 2, num_cpus=0, backend="megatron",
+                         parallel=ParallelConfig(tensor=tensor_parallel))
     try:
         b0, b1 = (Batch(samples=samples(9, seed=s, max_len=40), step=s) for s in (11, 12))
         m1, m2 = one.train_step(b0), group.train_step(b0)
+        assert [i["tp_rank"] for i in group.info] == ([0, 0] if tensor_parallel == 1 else [0, 1])
         assert m2["workers"] == 2.0 and m2["local_tokens"] == m1["tokens"]
+        assert m1["grad_norm"] > 0.5
         for key in ("loss", "grad_norm", "entropy"):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
         assert max_diff(one.state_dict_for_sync(), group.state_dict_for_sync()) < 1e-5

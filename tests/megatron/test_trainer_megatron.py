@@ -126,7 +126,9 @@ def test_model_parallel_and_bad_backend_are_refused_by_name(tiny_dir: Path) -> N
     from rl360.policies.megatron.model import ParallelConfig
 
     cfg = TrainerConfig()
-    with pytest.raises(NotImplementedError, match="model parallelism"):
-        build_trainer("megatron", cfg, tiny_dir, ParallelConfig(tensor=2))
+    with pytest.raises(NotImplementedError, match="pipeline/context/expert parallelism"):
+        build_trainer("megatron", cfg, tiny_dir, ParallelConfig(pipeline=2))
+    with pytest.raises(ValueError, match="not a multiple of the model-parallel size 2"):
+        build_trainer("megatron", cfg, tiny_dir, ParallelConfig(tensor=2))  # one process
     with pytest.raises(ValueError, match="trainer backend 'jax'"):
         build_trainer("jax", cfg, tiny_dir)

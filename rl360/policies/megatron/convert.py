@@ -154,3 +154,67 @@ def mcore_to_hf(mc: dict[str, Tensor], s: GPTShape) -> dict[str, Tensor]:
         out[h + "mlp.up_proj.weight"] = up.contiguous()
         out[h + "mlp.down_proj.weight"] = _need(mc, m + "mlp.linear_fc2.weight")
     return out
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+# How megatron splits each tensor over tensor-parallel ranks: column-parallel layers (and the
+# vocab-parallel embedding) by output rows, row-parallel layers by input columns, norms
+# replicated. linear_qkv rows are grouped by KV head, so a row chunk is a set of whole query
+# groups; linear_fc1 is [gate; up] on EVERY rank, i.e. rank r holds [gate_r; up_r].
+
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "embedding.word_embeddings.weight",
+           "output_layer.weight")
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_GLU = "linear_fc1.weight"
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension `name` is split on over tensor-parallel ranks (None: replicated)."""
+    if name.endswith(_COLUMN) or name.endswith(_GLU):
+        return 0
+    if name.endswith(_ROW):
+        return 1
+    return None
+
+
+def _chunks(t: Tensor, n: int, dim: int, name: str) -> tuple[Tensor, ...]:
+    if t.shape[dim] % n:
+        raise ValueError(f"megatron tensor parallel: {name} dim {dim} ({t.shape[dim]}) is not "
+                         f"divisible by tensor_parallel {n}")
+    return t.chunk(n, dim=dim)
+
+
+def shard_tp(mc: dict[str, Tensor], tp_size: int, tp_rank: int) -> dict[str, Tensor]:
+    """Rank `tp_rank`'s slice of full (TP = 1) megatron tensors."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside [0, {tp_size})")
+    out = {}
+    for name, t in mc.items():
+        dim = tp_split_dim(name)
+        if dim is None or tp_size == 1:
+            out[name] = t
+        elif name.endswith(_GLU):
+            gate, up = t.chunk(2, dim=0)
+            out[name] = torch.cat([_chunks(gate, tp_size, 0, name)[tp_rank],
+                                   _chunks(up, tp_size, 0, name)[tp_rank]])
+        else:
+            out[name] = _chunks(t, tp_size, dim, name)[tp_rank].contiguous()
+    return out
+
+
+def unshard_tp(shards: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Full (TP = 1) megatron tensors from every tensor-parallel rank's slice, in rank order."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    out = {}
+    for name, first in shards[0].items():
+        dim = tp_split_dim(name)
+        parts = [s[name] for s in shards]
+        if dim is None:
+            out[name] = first
+        elif name.endswith(_GLU):
+            halves = [p.chunk(2, dim=0) for p in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            out[name] = torch.cat(parts, dim=dim)
+    return out

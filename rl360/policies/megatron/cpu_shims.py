@@ -1,4 +1,5 @@
-"""Shims that let megatron-core 0.16 run on a CPU-only machine (TP = PP = CP = 1).
+"""Shims that let megatron-core 0.16 run on a CPU-only machine (data and tensor parallel
+over gloo; PP = CP = EP = 1).
 
 Used ONLY when CUDA is unavailable (`rl360.policies.megatron.model` calls `install()` then);
 on GPUs megatron runs unpatched. Everything patched is listed here, and nowhere else:
@@ -9,8 +10,8 @@ on GPUs megatron runs unpatched. Everything patched is listed here, and nowhere 
    Returning the CPU device makes those moves no-ops.
 2. The model-parallel RNG tracker (`megatron.core.tensor_parallel.random`) is replaced by one
    whose `fork()` is a no-op context. The real tracker saves/restores CUDA generator states
-   around dropout and TP weight init; with TP = 1, dropout 0 and CPU initialization there is
-   no CUDA randomness to isolate, and torch's CPU generator (seeded by the trainer) is used.
+   around dropout and TP weight init; with dropout 0 and weights loaded from the HF
+   checkpoint (megatron's own init is off) there is no randomness to isolate per TP rank.
 
 Not shimmed, avoided instead: the default causal mask (megatron builds it with
 device="cuda") — the trainer passes an explicit causal mask; fused kernels (apex / TE) — the

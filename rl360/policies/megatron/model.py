@@ -2,7 +2,7 @@
 
 The model uses megatron's local layer spec (no Transformer Engine, no apex) with every fusion
 off, so the same code runs on CPU (through `cpu_shims`) and on GPUs. Weights come from the HF
-checkpoint via `convert.hf_to_mcore`; megatron's own initialization is skipped.
+checkpoint via `convert.hf_to_mcore` (then sliced per tensor-parallel rank).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rl360.policies.megatron.convert import GPTShape, hf_to_mcore
+from rl360.policies.megatron.convert import GPTShape, hf_to_mcore, shard_tp, unshard_tp
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,14 +52,15 @@ def on_gpu() -> bool:
 
 def init_parallel(par: ParallelConfig, seed: int) -> None:
     """torch.distributed (a 1-process gloo group when the caller has none) + megatron's
-    parallel_state. On CPU only TP = PP = CP = EP = 1 runs (and the CPU shims go in)."""
+    parallel_state. On CPU (the CPU shims go in) data and tensor parallel run over gloo;
+    pipeline/context/expert parallel need GPUs."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if not on_gpu():
-        if par.model_parallel != 1:
-            raise ValueError(f"megatron backend on CPU runs only tensor/pipeline/context/"
-                             f"expert_parallel = 1, got {par}: model parallelism needs GPUs")
+        if par.model_parallel != par.tensor:
+            raise ValueError(f"megatron backend on CPU runs only pipeline/context/"
+                             f"expert_parallel = 1, got {par}: those need GPUs")
         from rl360.policies.megatron import cpu_shims
 
         cpu_shims.install()
@@ -78,6 +79,11 @@ def init_parallel(par: ParallelConfig, seed: int) -> None:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=par.tensor, pipeline_model_parallel_size=par.pipeline,
             context_parallel_size=par.context, expert_model_parallel_size=par.expert)
+    elif (ps.get_tensor_model_parallel_world_size(),
+          ps.get_pipeline_model_parallel_world_size()) != (par.tensor, par.pipeline):
+        raise ValueError(f"megatron parallel_state in this process is already set up with "
+                         f"TP {ps.get_tensor_model_parallel_world_size()} x PP "
+                         f"{ps.get_pipeline_model_parallel_world_size()}, not {par}")
     if on_gpu():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -94,7 +100,9 @@ def transformer_config(s: GPTShape, par: ParallelConfig) -> Any:
         add_bias_linear=False, add_qkv_bias=s.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, use_cpu_initialization=not on_gpu(),
-        perform_initialization=False,  # weights come from the HF checkpoint
+        # the weights are overwritten from the HF checkpoint, but megatron's init also marks
+        # TP-sliced parameters (`tensor_model_parallel`), which the grad norm needs
+        perform_initialization=True,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         # sum (not average) gradients over data-parallel ranks: the reducers divide by the
@@ -112,9 +120,10 @@ def build_gpt(s: GPTShape, par: ParallelConfig) -> Any:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    if s.vocab_size % par.tensor:
-        raise ValueError(f"vocab size {s.vocab_size} not divisible by tensor_parallel "
-                         f"{par.tensor}")
+    for what, n in (("vocab size", s.vocab_size), ("key/value heads", s.num_kv_heads),
+                    ("ffn hidden size", s.ffn_hidden_size)):
+        if n % par.tensor:
+            raise ValueError(f"{what} {n} not divisible by tensor_parallel {par.tensor}")
     model = GPTModel(
         transformer_config(s, par), get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=s.vocab_size, max_sequence_length=s.max_positions,
@@ -140,13 +149,15 @@ def read_hf_weights(model_dir: str | Path) -> dict[str, Tensor]:
 
 
 def load_hf_into(model: Any, hf: dict[str, Tensor], s: GPTShape) -> None:
-    """Copy HF weights into a GPTModel (TP = PP = 1 layout); every parameter must be set."""
+    """Copy HF weights into this rank's GPTModel (its tensor-parallel slice); every parameter
+    must be set."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("loading HF weights into a TP/PP-sharded GPTModel is not "
-                                  "implemented (needs per-rank slicing of the converted tensors)")
-    mc = hf_to_mcore(hf, s)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("loading HF weights into a pipeline-parallel GPTModel is not "
+                                  "implemented")
+    mc = shard_tp(hf_to_mcore(hf, s), ps.get_tensor_model_parallel_world_size(),
+                  ps.get_tensor_model_parallel_rank())
     missing, unexpected = model.load_state_dict(mc, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -157,3 +168,24 @@ def mcore_state(model: Any) -> dict[str, Tensor]:
     """The model's tensors by megatron name, without megatron's `_extra_state` entries."""
     return {k: v for k, v in model.state_dict().items()
             if not k.endswith("_extra_state") and isinstance(v, Tensor)}
+
+
+def gather_full_state(model: Any) -> dict[str, Tensor]:
+    """Full (TP = 1) megatron tensors, detached CPU copies, gathered from every
+    tensor-parallel rank. A collective: every rank of the TP group must call it."""
+    from megatron.core import parallel_state as ps
+
+    local = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in mcore_state(model).items()}
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return local
+    group = ps.get_tensor_model_parallel_group()
+    shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    device = next(iter(model.parameters())).device
+    for name, t in local.items():
+        mine = t.to(device)
+        parts = [torch.empty_like(mine) for _ in range(tp)]
+        dist.all_gather(parts, mine, group=group)
+        for r, part in enumerate(parts):
+            shards[r][name] = part.cpu()
+    return unshard_tp(shards)

@@ -8,10 +8,13 @@ checkpoint), logits come from megatron's forward with an explicit causal mask, a
 leave it under HF names (`state_dict_for_sync`, `save`), so engines and `transformers` load
 them unchanged.
 
-Scope (honest): runs at TP = PP = CP = EP = 1, on CPU (megatron-core with `cpu_shims`) or on
-one GPU per rank with plain torch AdamW. The recipe's parallel sizes are passed to megatron's
-parallel_state, but loading weights into TP/PP shards, pipeline schedules and megatron's
-distributed optimizer are not implemented; such a setup raises a clear error at start.
+Parallelism: data parallel (gradients summed over megatron's data-parallel group) and tensor
+parallel (weights sliced per rank by `convert.shard_tp`, vocab-parallel logits gathered before
+the loss, the grad norm summed over TP shards); both run on CPU over gloo and are tested there.
+After every step the TP ranks gather the full weights once, so `state_dict_for_sync` and `save`
+on any single rank need no collective. Not implemented (refused at start): pipeline, context and
+expert parallel, and megatron's distributed optimizer (plain torch AdamW on each rank's slice;
+megatron's optimizer hard-codes CUDA tensors, so it cannot run on this CPU tier).
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ from rl360.policies.megatron.convert import GPTShape, mcore_to_hf, shape_from_hf
 from rl360.policies.megatron.model import (
     ParallelConfig,
     build_gpt,
+    gather_full_state,
     init_parallel,
     load_hf_into,
-    mcore_state,
     on_gpu,
     read_hf_weights,
 )
@@ -60,11 +63,11 @@ class MegatronTrainer(TorchTrainer):
         self.config = config
         self.model_path = Path(model_path)
         self.parallel = parallel or ParallelConfig()
-        if self.parallel.model_parallel != 1:
+        if self.parallel.model_parallel != self.parallel.tensor:
             raise NotImplementedError(
-                f"megatron backend: model parallelism {self.parallel} is not implemented yet "
-                "(TP/PP weight sharding, pipeline schedule, distributed optimizer); "
-                "use tensor/pipeline/context/expert_parallel = 1")
+                f"megatron backend: pipeline/context/expert parallelism ({self.parallel}) is not "
+                "implemented yet; use pipeline/context/expert_parallel = 1 (tensor_parallel "
+                "and data parallel work)")
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)
@@ -107,6 +110,74 @@ class MegatronTrainer(TorchTrainer):
         pad = getattr(hf_config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
         self.step = 0
+        self._full: dict[str, Tensor] | None = None  # gathered weights (TP > 1), per step
+        self._refresh_full()
+
+    # ------------------------------------------------------------------ parallel layout
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self.parallel.tensor
+
+    @property
+    def tp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    @property
+    def dp_group(self) -> Any:
+        if self.parallel.tensor == 1:
+            return None  # data parallel over every rank: the default group
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    def _refresh_full(self) -> None:
+        """With TP > 1: gather the full weights (a TP collective) so that sync and save on
+        one rank need no other rank."""
+        if self.parallel.tensor > 1:
+            self._full = gather_full_state(self.model)
+
+    def train_step(
+        self, batch: Any, global_tokens: int | None = None, global_seqs: int | None = None
+    ) -> dict[str, float]:
+        metrics = super().train_step(batch, global_tokens, global_seqs)
+        self._refresh_full()
+        return metrics
+
+    def _clip(self) -> Tensor:
+        """As TorchTrainer, with the norm of TP-sliced parameters summed over the TP group
+        (replicated ones, the norms, counted once)."""
+        if self.parallel.tensor == 1:
+            return super()._clip()
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        sliced = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = []
+        for p in self.params:
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            sq = p.grad.detach().double().pow(2).sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sliced += sq
+            else:
+                replicated += sq
+        dist.all_reduce(sliced, group=ps.get_tensor_model_parallel_group())
+        norm = (sliced + replicated).sqrt().float()
+        if self.config.grad_clip > 0 and grads:
+            coef = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
 
     # ------------------------------------------------------------------ forward
 
@@ -131,22 +202,52 @@ class MegatronTrainer(TorchTrainer):
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).triu(1)[None, None]
         with self._autocast():
             logits = model(mb.ids, positions, causal)
+        if self.parallel.tensor > 1:  # vocab-parallel: each rank holds a slice of the vocab
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
         return logits[:, :-1].float() / self.config.temperature
 
     # ------------------------------------------------------------------ weights and state
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """Detached, contiguous CPU copies under the HF names (tied: lm_head IS the embedding)."""
-        copies = {k: v.detach().to("cpu", copy=True).contiguous()
-                  for k, v in mcore_state(self.model).items()}
-        return mcore_to_hf(copies, self.shape)
+        full = self._full if self._full is not None else gather_full_state(self.model)
+        return mcore_to_hf(dict(full), self.shape)
+
+    def _state_file(self) -> str:
+        """TP rank 0 keeps TorchTrainer's file name; rank r > 0 its own optimizer slice."""
+        r = self.tp_rank
+        return STATE_FILE if r == 0 else STATE_FILE.replace(".pt", f".tp{r}.pt")
 
     def save(self, out_dir: str | Path) -> Path:
-        """HF safetensors + config + tokenizer files + trainer_state.pt (as TorchTrainer)."""
-        from safetensors.torch import save_file
+        """HF safetensors + config + tokenizer files + trainer_state.pt (as TorchTrainer).
+        With TP > 1 every rank of one data-parallel replica calls it: TP rank 0 writes the
+        model, each TP rank its optimizer slice (trainer_state.tp<r>.pt)."""
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        if self.tp_rank == 0:
+            self._save_model(out)
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "config": msgspec.to_builtins(self.config),
+            "backend": "megatron",
+            "tensor_parallel": self.parallel.tensor,
+        }
+        name = self._state_file()
+        tmp = out / f".{name}.tmp"
+        torch.save(state, tmp)
+        tmp.replace(out / name)
+        return out
+
+    def _save_model(self, out: Path) -> None:
+        from safetensors.torch import save_file
+
         hf = self.state_dict_for_sync()
         if self.shape.tied:
             del hf["lm_head.weight"]  # HF omits the tied head from the file
@@ -156,34 +257,28 @@ class MegatronTrainer(TorchTrainer):
         for name, data in {**self._hf_files, **self._side_files}.items():
             if name in self._hf_files or not (out / name).exists():
                 (out / name).write_bytes(data)
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "config": msgspec.to_builtins(self.config),
-            "backend": "megatron",
-        }
-        tmp = out / f".{STATE_FILE}.tmp"
-        torch.save(state, tmp)
-        tmp.replace(out / STATE_FILE)
-        return out
 
     def load(self, in_dir: str | Path) -> None:
         """Restore weights (HF safetensors), optimizer, scheduler, step and RNG state."""
         src = Path(in_dir)
-        if not (src / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{src} has no {STATE_FILE}: not a trainer checkpoint")
+        name = self._state_file()
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{src} has no {name}: not a trainer checkpoint of this "
+                                    f"tensor-parallel layout ({self.parallel.tensor})")
         saved = json.loads((src / "config.json").read_text())
         if saved.get("model_type") != self.shape.family:
             raise ValueError(f"{src}: model_type {saved.get('model_type')!r}, this trainer "
                              f"runs {self.shape.family!r}")
         with torch.no_grad():
             load_hf_into(self.model, read_hf_weights(src), self.shape)
-        state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=True)
+        state = torch.load(src / name, map_location="cpu", weights_only=True)
+        if state.get("backend") != "megatron" or state.get("tensor_parallel", 1) != self.parallel.tensor:
+            raise ValueError(f"{src}/{name}: optimizer state of backend {state.get('backend')!r}"
+                             f" with tensor_parallel {state.get('tensor_parallel', 1)}; this "
+                             f"trainer is megatron with tensor_parallel {self.parallel.tensor}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(_as_tuple(state["python_rng"]))
+        self._refresh_full()
