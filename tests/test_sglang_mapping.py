@@ -77,10 +77,12 @@ def test_options_split_ours_from_sglangs() -> None:
     own, extra = split_options(cfg.options)
     assert own.mode == "http" and own.url == "http://h:1"
     assert extra == {"mem_fraction_static": 0.8, "tp_size": 2}
+    assert engine_kwargs(EngineConfig(model="m", tensor_parallel=4), "/m")["tp_size"] == 4
     kw = engine_kwargs(cfg, "/models/x")
     assert kw["model_path"] == "/models/x" and kw["context_length"] == 4096
     assert kw["max_running_requests"] == 64 and kw["random_seed"] == 3
     assert kw["mem_fraction_static"] == 0.8 and "mode" not in kw and "url" not in kw
+    assert kw["tp_size"] == 2  # options win over engine.tensor_parallel
     with pytest.raises(Exception, match="pause_mode"):
         split_options({"pause_mode": "sleep"})
 

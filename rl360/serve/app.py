@@ -55,6 +55,7 @@ def engine_config(recipe: Recipe) -> dict[str, Any]:
         "max_model_len": m.max_model_len,
         "threads": e.threads,
         "seed": recipe.run.seed,
+        "tensor_parallel": e.tensor_parallel,
         "options": dict(e.options),
     }
 

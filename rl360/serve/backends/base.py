@@ -26,6 +26,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: int = 2048
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     seed: int = 0
+    tensor_parallel: int = 1  # GPUs one replica's engine spans (sglang tp_size, vllm TP size)
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 

@@ -95,6 +95,7 @@ def engine_kwargs(config: EngineConfig, model_path: str) -> dict[str, Any]:
         "context_length": config.max_model_len,
         "max_running_requests": config.max_batch_size,
         "random_seed": config.seed,
+        "tp_size": config.tensor_parallel,
         "log_level": "error",
     }
     kwargs.update(extra)
@@ -185,7 +186,7 @@ class SGLangBackend:
             raise BackendUnavailable(
                 "engine backend 'sglang' needs the sglang package (pip install 'rl360[sglang]' "
                 "on a GPU machine), or options mode='http' with the url of a running server")
-        self.tp = int(extra.get("tp_size", extra.get("tp", 1)))
+        self.tp = int(extra.get("tp_size", config.tensor_parallel))
         self.weight_group_width = self.tp  # ranks this replica takes in a collective group
         self.model_path = str(resolve_model_path(config.model))
         self._kwargs = engine_kwargs(config, self.model_path)
