@@ -1,5 +1,8 @@
 """`rl360 train --set trainer.backend=megatron` on the tiny policy, in its own process (its own
-local Ray): steps complete with finite losses, and the checkpoint is a plain HF model."""
+local Ray), on one rank and as tensor parallel 2: steps complete with finite losses, weights
+reach the engine, and the checkpoint is a plain HF model (plus one optimizer slice per TP rank).
+The untrained tiny policy earns no reward, so these runs show the plumbing; the trainer tests
+show the steps are right."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_rl360_train_with_the_megatron_backend(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_rl360_train_with_the_megatron_backend(tmp_path: Path, tp: int) -> None:
     sets = [
         "run.name=meg", f"run.out_dir={json.dumps(str(tmp_path))}", "model.path='tiny'",
         "train.init=''", "ray.dashboard=false", f"serve.port={free_port()}", "env.actors=1",
@@ -29,6 +33,7 @@ def test_rl360_train_with_the_megatron_backend(tmp_path: Path) -> None:
         "train.groups_per_batch=2", "train.task_limit=4",
         "train.tasks=['examples/tasks/code.jsonl']", "train.sampling.max_tokens=16",
         "train.checkpoint_every=3", "train.wandb='offline'", "train.max_staleness=1",
+        f"trainer.tensor_parallel={tp}", f"trainer.workers={tp}",
     ]
     args = [sys.executable, "-m", "rl360", "train", "recipes/cpu-demo.toml"]
     for s in sets:
@@ -50,4 +55,6 @@ def test_rl360_train_with_the_megatron_backend(tmp_path: Path) -> None:
     ckpt = tmp_path / "meg" / "checkpoints" / "step_000003" / "model"
     state = torch.load(ckpt / "trainer_state.pt", weights_only=True)
     assert state["backend"] == "megatron" and state["step"] == 3
+    assert state["tensor_parallel"] == tp
+    assert (ckpt / "trainer_state.tp1.pt").is_file() == (tp == 2)
     AutoModelForCausalLM.from_pretrained(ckpt)  # a plain HF checkpoint
