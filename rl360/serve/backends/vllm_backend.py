@@ -50,6 +50,7 @@ def engine_args(config: EngineConfig, model_path: str) -> dict[str, Any]:
         "max_model_len": config.max_model_len,
         "max_num_seqs": config.max_batch_size,
         "seed": config.seed,
+        "tensor_parallel_size": config.tensor_parallel,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
         "enforce_eager": True,  # no compile step: start-up in seconds on a CPU
