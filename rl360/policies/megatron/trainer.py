@@ -189,6 +189,11 @@ class MegatronTrainer(TorchTrainer):
                 yield _MicroBatch(*(t.to(self.device) for t in
                                     (mb.ids, mb.attn, mb.mask, mb.sampling, mb.adv)))
 
+    def _forward_backward(self, mb: _MicroBatch, acc: Any, global_tokens: int,
+                          global_seqs: int) -> Tensor:
+        # the step's loss total is a CPU float64 (TorchTrainer.train_step)
+        return super()._forward_backward(mb, acc, global_tokens, global_seqs).cpu()
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.dtype == "bfloat16":
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
