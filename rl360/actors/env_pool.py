@@ -205,16 +205,19 @@ def _openai_client(base_url: str, sid: str, token: str) -> Any:
 class EnvPool:
     """Driver-side handle on N EnvActors; `submit` returns an ObjectRef[Trajectory]."""
 
-    def __init__(self, recipe: Any, serving: Any, sampling: dict[str, Any] | None = None) -> None:
+    def __init__(self, recipe: Any, serving: Any, sampling: dict[str, Any] | None = None,
+                 placement: Any = None) -> None:
+        """`placement` (launch.roles.Placement) gives the actors' resources and node role;
+        without one they ask for `env.num_cpus` and Ray places them."""
         import ray
 
         env = recipe.env
         sampling = sampling or msgspec.to_builtins(recipe.eval.sampling)
+        options = placement.env_options() if placement is not None else {"num_cpus": env.num_cpus}
         cls = ray.remote(EnvActor)
         self.actors = [
             cls.options(name=f"rl360-env-{i}", namespace=recipe.ray.namespace,
-                        num_cpus=env.num_cpus, max_concurrency=env.episodes_per_actor,
-                        get_if_exists=True)
+                        max_concurrency=env.episodes_per_actor, get_if_exists=True, **options)
             .remote(msgspec.to_builtins(env), sampling, serving.shard_names, serving.namespace,
                     serving.base_url)
             for i in range(env.actors)

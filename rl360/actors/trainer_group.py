@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,9 +182,12 @@ class TrainerGroup:
         threads: int = 0,
         name_prefix: str = "rl360-trainer",
         timeout_s: float = 600.0,
+        rank_options: Callable[[int], dict[str, Any]] | None = None,
         backend: str = "torch",
         parallel: ParallelConfig | None = None,
     ) -> None:
+        """`rank_options(rank)`: the Ray options of that rank's actor (resources, placement
+        group bundle: launch.roles.Placement.trainer_options); default num_cpus/num_gpus."""
         if workers < 1:
             raise ValueError(f"trainer group needs workers >= 1, got {workers}")
         self.world_size = workers
@@ -191,8 +195,11 @@ class TrainerGroup:
         self.names = [f"{name_prefix}-{r}" for r in range(workers)]
         threads = threads or getattr(config, "threads", 0) or max(1, int(num_cpus))
         cls = ray.remote(TrainerWorker)
+        if rank_options is None:
+            def rank_options(rank: int) -> dict[str, Any]:
+                return {"num_cpus": num_cpus, "num_gpus": num_gpus}
         self.workers = [
-            cls.options(name=name, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+            cls.options(name=name, max_restarts=0, **rank_options(rank))
             .remote(rank, workers, threads)
             for rank, name in enumerate(self.names)
         ]

@@ -23,20 +23,15 @@ def _banner(recipe: Recipe, base_url: str, dashboard: str) -> str:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from rl360.launch.cluster import STOP, ray_session
-    from rl360.serve.app import start_serving, stop_serving
+    from rl360.launch.cluster import STOP
+    from rl360.launch.stack import running_stack
 
     recipe = load_recipe(args.recipe, args.overrides)
-    r = recipe.ray
-    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:
-        handles = start_serving(recipe)
-        print(_banner(recipe, handles.base_url, info["dashboard_url"]), flush=True)
-        try:
-            deadline = time.monotonic() + args.duration if args.duration > 0 else None
-            while not STOP.requested and (deadline is None or time.monotonic() < deadline):
-                time.sleep(0.5)
-        finally:
-            stop_serving(handles)
+    with running_stack(recipe, env_actors=False) as stack:
+        print(_banner(recipe, stack.serving.base_url, stack.info["dashboard_url"]), flush=True)
+        deadline = time.monotonic() + args.duration if args.duration > 0 else None
+        while not STOP.requested and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.5)
     return 0
 
 

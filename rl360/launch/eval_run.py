@@ -124,10 +124,11 @@ def collect(refs: list[Any], desc: str) -> list[Trajectory]:
 
 
 def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
-    from rl360.actors.env_pool import EnvPool
-    from rl360.launch.cluster import ray_session
-    from rl360.serve.app import start_serving, stop_serving
+    from rl360.launch.paths import resolve_run_paths
+    from rl360.launch.stack import running_stack
 
+    if note := resolve_run_paths(recipe):
+        print(note, file=sys.stderr)
     tasks, refused = refuse_unrunnable(recipe, load_tasks(recipe))
     for why in refused:
         print(f"rl360: skipping: {why}", file=sys.stderr)
@@ -138,21 +139,14 @@ def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     out_path = Path(recipe.eval.out) if recipe.eval.out else run_dir / "eval.jsonl"
     k = recipe.eval.attempts
-    r = recipe.ray
-    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:
-        if info["dashboard_url"]:
-            print(f"rl360: Ray dashboard at {info['dashboard_url']}", file=sys.stderr)
-        serving = start_serving(recipe)
-        pool = EnvPool(recipe, serving)
-        try:
-            t0 = time.monotonic()
-            refs = [pool.submit(t, group_id=f"{t.id}") for t in tasks for _ in range(k)]
-            trajs = collect(refs, f"eval {len(tasks)} tasks x {k}")
-            wall = time.monotonic() - t0
-            engines = serving.weight_status().get("engines", {})
-        finally:
-            pool.shutdown()
-            stop_serving(serving)
+    with running_stack(recipe) as stack:
+        pool = stack.pool
+        assert pool is not None  # running_stack starts env actors by default
+        t0 = time.monotonic()
+        refs = [pool.submit(t, group_id=f"{t.id}") for t in tasks for _ in range(k)]
+        trajs = collect(refs, f"eval {len(tasks)} tasks x {k}")
+        wall = time.monotonic() - t0
+        engines = stack.serving.weight_status().get("engines", {})
     with out_path.open("wb") as f:
         for t in trajs:
             f.write(msgspec.json.encode(t) + b"\n")

@@ -353,9 +353,20 @@ class RayPlacement:
 
     def create_groups(self, timeout_s: float = 120.0) -> dict[str, Any]:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import get_placement_group, placement_group
 
         for g in self.plan.groups:
+            try:
+                get_placement_group(g.name)
+            except ValueError:
+                pass  # not there: ours to create
+            else:
+                self.remove_groups()
+                raise PlacementError(
+                    f"placement group {g.name!r} already exists: a run named "
+                    f"{self.plan.groups[0].name.rsplit('-train-', 1)[0]!r} is running on this "
+                    "cluster; stop it or set another run.name"
+                )
             target = self._node_ids.get(g.node) or None
             self.groups[g.name] = placement_group(
                 g.bundles, strategy=g.strategy, name=g.name,
@@ -365,6 +376,7 @@ class RayPlacement:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
         if len(ready) < len(pending):
             missing = sorted(pending[r] for r in pending if r not in ready)
+            self.remove_groups()
             raise PlacementError(
                 f"placement groups not placed after {timeout_s:.0f}s: {', '.join(missing)} "
                 "(check `ray status` for the nodes' free resources)"

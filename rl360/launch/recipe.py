@@ -71,6 +71,8 @@ class ServeSection(_S):
     default_max_tokens: PosInt = 256
     matcher: Literal["strict", "loose_tool_call"] = "loose_tool_call"
     session_ttl_s: Annotated[float, Meta(gt=0.0)] = 3600.0
+    # Serve's HTTP proxies: on every node (agents' HTTP calls stay on their node) or the head
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 
 
 class SamplingSection(_S):

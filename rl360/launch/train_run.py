@@ -17,12 +17,16 @@ import json
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rl360.launch.recipe import Recipe
+
+if TYPE_CHECKING:
+    from rl360.launch.stack import Stack
 
 CKPT_META = "rl360_checkpoint.json"
 
@@ -66,19 +70,60 @@ def staleness_stats(batch: Any) -> tuple[dict[str, int], float, float]:
     return {str(k): c for k, c in sorted(hist.items())}, mean, float(max(hist) if hist else 0)
 
 
-def run_train(recipe: Recipe, resume: bool = False) -> int:
+@dataclass
+class TrainActors:
+    trainer: Any  # actors.trainer_group.TrainerGroup
+    buffer: Any  # ActorHandle[TrajectoryBuffer]
+    controller: Any  # ActorHandle[RolloutController]
+
+
+def start_train_actors(recipe: Recipe, stack: Stack, model_path: Any) -> TrainActors:
+    """The trainer ranks (on the placement's train options), the trajectory buffer and the
+    rollout controller (service role), wired to the stack's env actors and publisher."""
     import ray
 
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.actors.env_pool import EnvPool
-    from rl360.actors.metrics import MetricsSink
     from rl360.actors.trainer_group import TrainerGroup
-    from rl360.launch.cluster import ray_session
+
+    tr, t, placement = recipe.train, recipe.trainer, stack.placement
+    if stack.pool is None:
+        raise ValueError("start_train_actors needs a stack with env actors")
+    trainer = TrainerGroup(trainer_config(recipe), model_path, t.workers, num_cpus=t.num_cpus,
+                           num_gpus=t.num_gpus,
+                           backend=t.backend, parallel=trainer_parallel(recipe),
+                           rank_options=placement.trainer_options)
+    service = placement.service_options()
+    buffer = ray.remote(TrajectoryBuffer).options(
+        name="rl360-trajectory-buffer", **service).remote({
+            "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
+            "max_staleness": tr.max_staleness, "stale_policy": tr.stale_policy,
+            "filter_zero_variance": tr.filter_zero_variance,
+            "capacity_groups": tr.capacity_groups, "advantage": t.advantage})
+    controller = ray.remote(RolloutController).options(
+        name="rl360-rollout-controller", max_concurrency=1000, **service).remote(
+            {"task_paths": tr.tasks, "task_limit": tr.task_limit,
+             "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
+             "max_staleness": tr.max_staleness,
+             "max_in_flight_groups": tr.max_in_flight_groups,
+             "capacity_groups": tr.capacity_groups, "engine_replicas": recipe.engine.replicas,
+             "tail_keep": tr.tail_keep, "tail_factor": tr.tail_factor},
+            stack.pool.actors, buffer, stack.serving.publisher)
+    ray.get([buffer.size.remote(), controller.status.remote()])  # up, or raise here
+    return TrainActors(trainer=trainer, buffer=buffer, controller=controller)
+
+
+def run_train(recipe: Recipe, resume: bool = False) -> int:
+    import ray
+
+    from rl360.actors.metrics import MetricsSink
+    from rl360.launch.paths import resolve_run_paths
+    from rl360.launch.stack import running_stack
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.app import start_serving, stop_serving
     from rl360.serve.transports import CollectiveTransport, ObjectStoreTransport, sync_options
 
+    if note := resolve_run_paths(recipe):
+        print(note, file=sys.stderr)
     tr = recipe.train
     run_dir = Path(recipe.run.out_dir) / recipe.run.name
     ckpt = latest_checkpoint(run_dir) if resume else None
@@ -107,31 +152,10 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     step0, version = int(meta.get("step", 0)), int(meta.get("version", 0))
     (run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
 
-    r = recipe.ray
-    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:
-        if info["dashboard_url"]:
-            print(f"rl360: Ray dashboard at {info['dashboard_url']}", file=sys.stderr)
-        serving = start_serving(recipe)
-        trainer = TrainerGroup(trainer_config(recipe), ckpt / "model" if ckpt else model_path,
-                               recipe.trainer.workers, num_cpus=recipe.trainer.num_cpus,
-                               num_gpus=recipe.trainer.num_gpus,
-                               backend=recipe.trainer.backend, parallel=trainer_parallel(recipe))
-        pool = EnvPool(recipe, serving, sampling=msgspec.to_builtins(tr.sampling))
-        buffer = ray.remote(TrajectoryBuffer).options(
-            name="rl360-trajectory-buffer", num_cpus=0).remote({
-                "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
-                "max_staleness": tr.max_staleness, "stale_policy": tr.stale_policy,
-                "filter_zero_variance": tr.filter_zero_variance,
-                "capacity_groups": tr.capacity_groups, "advantage": recipe.trainer.advantage})
-        controller = ray.remote(RolloutController).options(
-            name="rl360-rollout-controller", num_cpus=0, max_concurrency=1000).remote(
-                {"task_paths": tr.tasks, "task_limit": tr.task_limit,
-                 "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
-                 "max_staleness": tr.max_staleness,
-                 "max_in_flight_groups": tr.max_in_flight_groups,
-                 "capacity_groups": tr.capacity_groups, "engine_replicas": recipe.engine.replicas,
-                 "tail_keep": tr.tail_keep, "tail_factor": tr.tail_factor},
-                pool.actors, buffer, serving.publisher)
+    with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling)) as stack:
+        serving = stack.serving
+        actors = start_train_actors(recipe, stack, ckpt / "model" if ckpt else model_path)
+        trainer, buffer, controller = actors.trainer, actors.buffer, actors.controller
         if tr.weight_transport == "collective":
             transport: Any = CollectiveTransport(serving, trainer.workers[0], recipe.engine.replicas,
                                                  options=sync_options(tr))
@@ -155,9 +179,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
             except Exception as exc:
                 print(f"rl360: controller stop: {exc!r}", file=sys.stderr)
             png = sink.close()
-            pool.shutdown()
-            trainer.shutdown()
-            stop_serving(serving)
+            trainer.shutdown()  # env actors, Serve app and placement groups: by running_stack
             if png:
                 print(f"rl360: reward curve -> {png}")
     _print_curve(sink.rows)

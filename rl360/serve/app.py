@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl360.launch.recipe import Recipe
+
+if TYPE_CHECKING:
+    from rl360.launch.roles import Placement
 
 
 @dataclass
@@ -71,11 +74,15 @@ def session_config(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
+def start_serving(recipe: Recipe, placement: Placement | None = None,
+                  timeout_s: float = 300.0) -> ServingHandles:
+    """Engines (on `placement`'s rollout options), shards, publisher and session servers
+    (service options); without a placement, Ray's default scheduler places them."""
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
+    from rl360.launch.roles import LocalPlacement
     from rl360.policies.loading import resolve_model_path
     from rl360.serve.engine import EngineReplica, ServeEngineClient
     from rl360.serve.routing import SessionAffinityRouter
@@ -85,12 +92,14 @@ def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
 
     s, e = recipe.serve, recipe.engine
     ns = recipe.ray.namespace
+    placement = placement or LocalPlacement(recipe)
+    service = placement.service_options()
     resolve_model_path(recipe.model.path)  # build/convert once, before replicas race for it
     prefix = f"{s.app_name}-sessions"
     publisher_name = f"{s.app_name}-weights"
     publisher = (
         ray.remote(WeightPublisher)
-        .options(name=publisher_name, namespace=ns, num_cpus=0, get_if_exists=True)
+        .options(name=publisher_name, namespace=ns, get_if_exists=True, **service)
         .remote()
     )
     shard_cls = ray.remote(SessionShard)
@@ -98,19 +107,18 @@ def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
     names = [f"{prefix}-{i}" for i in range(s.session_shards)]
     for name in names:
         shards.append(
-            shard_cls.options(name=name, namespace=ns, num_cpus=0, get_if_exists=True,
-                              max_concurrency=1000)
+            shard_cls.options(name=name, namespace=ns, get_if_exists=True,
+                              max_concurrency=1000, **service)
             .remote(recipe.model.path, recipe.model.chat_template, session_config(recipe),
                     ServeEngineClient(s.app_name))
         )
     ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
-    serve.start(http_options={"host": s.host, "port": s.port})
+    serve.start(http_options={"host": s.host, "port": s.port}, proxy_location=s.proxy_location)
     engine = serve.deployment(
         EngineReplica,
         name="engine",
-        num_replicas=e.replicas,
         max_ongoing_requests=e.max_ongoing_requests,
-        ray_actor_options={"num_cpus": e.num_cpus, "num_gpus": e.num_gpus},
+        **placement.engine_deployment_options(),  # num_replicas, ray_actor_options, ...
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=5,
         logging_config={"enable_access_log": False},  # one line per token call is noise
@@ -120,7 +128,7 @@ def start_serving(recipe: Recipe, timeout_s: float = 300.0) -> ServingHandles:
         name="session-server",
         num_replicas=s.server_replicas,
         max_ongoing_requests=1000,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options=service,
         logging_config={"enable_access_log": False},
     ).bind(names, ns, recipe.run.name, engine)
     t0 = time.monotonic()
