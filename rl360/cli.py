@@ -96,10 +96,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
+    from rl360.launch.paths import resolve_run_paths
     from rl360.launch.recipe import load_recipe
     from rl360.policies.sft import run_sft
 
     recipe = load_recipe(args.recipe, args.overrides)
+    if note := resolve_run_paths(recipe):
+        print(note, file=sys.stderr)
     stats = run_sft(recipe.sft, seed=recipe.run.seed)
     print(f"sft: {stats['samples']} chats, final loss {stats['loss']:.4f}, "
           f"{stats['seconds']:.1f}s -> {recipe.sft.out}")
