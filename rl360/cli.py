@@ -127,12 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     handler = COMMANDS.get(args.command) or getattr(args, "func", None)
     if handler is None:
         parser.error(f"unknown command {args.command}")
+    from rl360.launch.placement import PlacementError
     from rl360.launch.recipe import RecipeError
 
     try:
         return int(handler(args) or 0)
     except RecipeError as exc:
         print(f"rl360: recipe error: {exc}", file=sys.stderr)
+        return 2
+    except PlacementError as exc:  # the cluster cannot hold the recipe's roles
+        print(f"rl360: placement: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("rl360: interrupted; shut down cleanly", file=sys.stderr)

@@ -63,4 +63,5 @@ def resolve_run_paths(recipe: Recipe) -> str:
         recipe.train.init = _rebase(recipe.train.init, root)
     why = (f"{RUNS_ROOT_ENV} is set" if os.environ.get(RUNS_ROOT_ENV)
            else f"a Ray job's working dir is deleted with the session; set {RUNS_ROOT_ENV} to choose")
-    return f"rl360: relative output paths resolve under {root} ({why}); run dir {recipe.run.out_dir}"
+    return (f"rl360: relative output paths resolve under {root} ({why}): "
+            f"run.out_dir {recipe.run.out_dir}")

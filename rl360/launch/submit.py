@@ -22,7 +22,7 @@ import msgspec
 
 from rl360.launch.recipe import RecipeError, load_recipe
 
-EXCLUDES = [".venv", "venv", "runs", ".git", "**/__pycache__", "*.egg-info", ".pytest_cache",
+EXCLUDES = [".venv", ".venv-*", "venv", "runs", ".git", "**/__pycache__", "*.egg-info", ".pytest_cache",
             ".ruff_cache", "wandb", "*.pyc"]
 JOB_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",

@@ -1,0 +1,32 @@
+"""place_roles: a recipe without a cluster section keeps the actors' own sizes and Ray's default
+scheduler; a cluster recipe on nodes without role resources is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl360.launch.placement import PlacementError
+from rl360.launch.recipe import apply_overrides, decode_recipe
+from rl360.launch.roles import LocalPlacement, place_roles
+
+
+def test_local_recipe_keeps_sizes_and_asks_for_no_roles() -> None:
+    recipe = decode_recipe(apply_overrides({}, [
+        "trainer.num_cpus=1.5", "trainer.num_gpus=0", "engine.replicas=3", "engine.num_cpus=0.5",
+        "env.num_cpus=0.25"]))
+    p = place_roles(recipe)  # no Ray needed: nothing is planned or created
+    assert isinstance(p, LocalPlacement)
+    assert p.trainer_options(0) == {"num_cpus": 1.5, "num_gpus": 0.0}
+    assert p.engine_deployment_options() == {
+        "num_replicas": 3, "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 0.0}}
+    assert p.service_options() == {"num_cpus": 0.0}
+    assert p.env_options() == {"num_cpus": 0.25}
+    p.remove_groups()
+
+
+@pytest.mark.ray
+def test_cluster_recipe_on_untagged_nodes_is_refused(ray_cluster: None) -> None:
+    recipe = decode_recipe(apply_overrides({}, [
+        "cluster.service.nodes=1", "cluster.train.nodes=1", "cluster.rollout.nodes=1"]))
+    with pytest.raises(PlacementError, match="rl360_role_"):
+        place_roles(recipe)
