@@ -88,6 +88,28 @@ async def greedy(backend: Any, prompts: list[list[int]]) -> list[dict[str, Any]]
             for g in gens]
 
 
+async def stops(torch_b: Any, vllm_b: Any, tok: Any, prompts: list[list[int]],
+                greedy_out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A stop token, an EOS id and a stop string taken from each prompt's greedy output: both
+    backends must stop on the same token with the same stop kind."""
+    out = []
+    for p, g in zip(prompts, greedy_out, strict=True):
+        ids = g["ids"]
+        text = tok.decode(ids[2:5], skip_special_tokens=False)
+        cases = {
+            "stop_token": SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[ids[3]]),
+            "eos": SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, eos_token_ids=[ids[4]]),
+        }
+        if text.strip():
+            cases["stop_string"] = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[text])
+        for kind, sp in cases.items():
+            t, v = await torch_b.generate(p, sp), await vllm_b.generate(p, sp)
+            out.append({"kind": kind,
+                        "torch": [t.token_ids, t.finish_reason, t.stop_kind, t.stop_string],
+                        "vllm": [v.token_ids, v.finish_reason, v.stop_kind, v.stop_string]})
+    return out
+
+
 async def main(model: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -104,6 +126,8 @@ async def main(model: str) -> dict[str, Any]:
     try:
         res["greedy_torch"] = await greedy(torch_b, prompts)
         res["greedy_vllm"] = await greedy(vllm_b, prompts)
+
+        res["stops"] = await stops(torch_b, vllm_b, tok, prompts, res["greedy_torch"])
 
         sampled = await asyncio.gather(*(vllm_b.generate(p, SAMPLING) for p in prompts))
         res["sampled"] = [

@@ -46,6 +46,16 @@ def test_greedy_ids_and_logprobs_match(parity: dict[str, Any]) -> None:
         assert v["version"] == t["version"] == 0
 
 
+def test_stop_tokens_eos_and_stop_strings_match(parity: dict[str, Any]) -> None:
+    kinds = set()
+    for case in parity["stops"]:
+        assert case["vllm"] == case["torch"], case
+        _, finish, kind, _ = case["vllm"]
+        assert finish == "stop" and kind == case["kind"], case
+        kinds.add(kind)
+    assert {"stop_token", "eos"} <= kinds
+
+
 def test_sampling_logprobs_are_the_processed_distribution(parity: dict[str, Any]) -> None:
     worst = 0.0
     for s in parity["sampled"]:

@@ -102,10 +102,8 @@ def to_generation(out: Any, sp: SamplingParams, version: int) -> Generation:
             stop_kind = "eos"
         else:
             stop_kind = "stop_token"
-    elif finish == "abort":
-        finish = "abort"
-    else:
-        finish = "length"
+    elif finish not in ("length", "abort"):
+        raise RuntimeError(f"vLLM finished a request with {finish!r} (stop reason {out.stop_reason!r})")
     return Generation(
         token_ids=token_ids,
         logprobs=logprobs,
@@ -247,9 +245,11 @@ class VLLMBackend:
         }
 
     async def close(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            # (something inside vLLM keeps the AsyncLLM alive until interpreter exit, where its
+            # __del__ repeats shutdown and prints an ignored TypeError: harmless noise)
+            engine.shutdown()
 
     # ------------------------------------------------------------------ helpers
 
