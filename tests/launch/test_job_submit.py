@@ -1,6 +1,8 @@
 """Both ways to launch, against a real Ray head with its dashboard: `ray job submit` runs
 `python -m rl360 serve` (the rl360 Serve app shows up in the dashboard's Serve API while it
-runs, the job succeeds), then `rl360 submit --follow` runs and streams a short job.
+runs, the job succeeds) and `rl360 train` as the README writes it (2 steps; the job SUCCEEDED,
+the Serve app and the named actors are listed by the dashboard's REST API), then
+`rl360 submit --follow` runs and streams a short job.
 
 The head runs as `ray start --head --block` in its own process group with its own temp dir and
 ports, and is torn down by signalling that group (never `ray stop`, which would stop every Ray
@@ -163,6 +165,60 @@ def test_ray_job_submit_runs_rl360_serve(ray_head: dict[str, str]) -> None:
     job = _job(url, job_id)
     assert job["status"] == "SUCCEEDED", job
     print(f"ray job submit -> serve app running -> SUCCEEDED in {time.monotonic() - t0:.0f}s")
+
+
+def _actors(url: str) -> list[dict[str, Any]]:
+    """Every actor the cluster has seen (alive or dead), from the dashboard's state API."""
+    return _get(f"{url}/api/v0/actors?limit=10000")["data"]["result"]["result"]
+
+
+TRAIN_JOB_SETS = [  # 2 steps of 2 groups x 2 episodes on the tiny model, no warm start
+    "run.name=jobtrain", "model.path='tiny'", "train.init=''", "env.actors=1",
+    "engine.num_cpus=0.5", "trainer.num_cpus=0.5", "train.steps=2", "train.group_size=2",
+    "train.groups_per_batch=2", "train.task_limit=4", "train.tasks=['examples/tasks/code.jsonl']",
+    "train.sampling.max_tokens=16", "train.checkpoint_every=0",
+]
+
+
+def test_ray_job_submit_rl360_train(ray_head: dict[str, str], tmp_path: Path) -> None:
+    """The README's `ray job submit --working-dir . -- rl360 train recipes/cpu-demo.toml`, as
+    written (the console script, RAY_ADDRESS join), with short-run --set's appended."""
+    url = ray_head["dashboard"]
+    job_id = f"rl360-train-test-{os.getpid()}"
+    root = tmp_path / "runs-root"  # where the job's relative run paths land (RL360_RUNS_ROOT)
+    sets = [*TRAIN_JOB_SETS, f"serve.port={_free_port()}"]
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--no-wait",
+         "--submission-id", job_id,
+         "--runtime-env-json", json.dumps({"env_vars": {"RL360_RUNS_ROOT": str(root)}}),
+         "--", "rl360", "train", "recipes/cpu-demo.toml",
+         *(x for s in sets for x in ("--set", s))],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen_app: dict[str, Any] | None = None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and _job(url, job_id)["status"] in ("PENDING", "RUNNING"):
+        app = _rl360_app(url)
+        if app and app.get("status") == "RUNNING" and seen_app is None:
+            seen_app = app
+        time.sleep(0.5)
+    job = _job(url, job_id)
+    assert job["status"] == "SUCCEEDED", job
+    assert seen_app is not None, "the rl360 Serve app never showed as RUNNING"
+    assert {"engine", "session-server"} <= set(seen_app["deployments"])
+    names = {a["name"] for a in _actors(url) if a.get("job_id") and a.get("name")}
+    for name in ("rl360-trainer-0", "rl360-trajectory-buffer", "rl360-rollout-controller",
+                 "rl360-env-0", "rl360-sessions-0", "rl360-weights"):
+        assert name in names, sorted(names)
+    assert any(n.startswith("SERVE_REPLICA::rl360#engine#") for n in names), sorted(names)
+    # the run's outputs outlive the job's working dir: under RL360_RUNS_ROOT
+    metrics = root / "runs" / "jobtrain" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert (root / "runs" / "jobtrain" / "checkpoints" / "step_000002").is_dir()
+    print(f"ray job submit -- rl360 train (2 steps) -> SUCCEEDED in {time.monotonic() - t0:.0f}s")
 
 
 def test_rl360_submit_follow(ray_head: dict[str, str]) -> None:
