@@ -30,3 +30,25 @@ def test_cluster_recipe_on_untagged_nodes_is_refused(ray_cluster: None) -> None:
         "cluster.service.nodes=1", "cluster.train.nodes=1", "cluster.rollout.nodes=1"]))
     with pytest.raises(PlacementError, match="rl360_role_"):
         place_roles(recipe)
+
+
+@pytest.mark.ray
+def test_groups_are_created_once_by_name(ray_cluster: None) -> None:
+    from ray.util.placement_group import get_placement_group
+
+    from rl360.launch.placement import GroupSpec, Plan, RayPlacement
+
+    group = GroupSpec(name="rolestest-train-0", role="train", strategy="STRICT_PACK", node="local",
+                      bundles=[{"CPU": 0.001}])
+    plan = Plan(mode="local", source="test", nodes=[], items=[], groups=[group])
+    first = RayPlacement(plan)
+    first.create_groups(timeout_s=60)
+    try:  # a second run of the same name on the same cluster is refused, the first keeps its group
+        with pytest.raises(PlacementError, match=r"rolestest-train-0.*already exists"):
+            RayPlacement(plan).create_groups(timeout_s=60)
+        assert get_placement_group("rolestest-train-0") is not None
+    finally:
+        first.remove_groups()
+    again = RayPlacement(plan)  # removed groups free their names
+    again.create_groups(timeout_s=60)
+    again.remove_groups()
