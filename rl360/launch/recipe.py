@@ -125,6 +125,7 @@ class TrainerSection(_S):
     num_cpus: NonNegFloat = 1.0
     num_gpus: NonNegFloat = 0.0
     lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-5
+    warmup_steps: NonNegInt = 0  # linear lr warm-up over the first optimizer steps
     weight_decay: NonNegFloat = 0.0
     grad_clip: NonNegFloat = 1.0
     micro_batch_size: PosInt = 16
@@ -175,6 +176,9 @@ class TrainSection(_S):
     weight_bucket_mb: Annotated[float, Meta(gt=0.0)] = 512.0
     weight_sync_ipc: Literal["auto", "never"] = "auto"  # CUDA IPC when colocated on one GPU
     weight_checksum: bool = False  # debug: engines' per-tensor checksums vs the trainer's
+    # wall-clock budget of the whole run (start-up included): after the step that crosses it
+    # the run checkpoints and ends as if it had reached `steps`; 0 = no limit
+    max_minutes: NonNegFloat = 0.0
     checkpoint_every: NonNegInt = 10  # 0 = only at the end
     keep_checkpoints: PosInt = 2
     wandb: Literal["offline", "online", "disabled"] = "offline"

@@ -37,7 +37,7 @@ def trainer_config(recipe: Recipe) -> Any:
 
     t = recipe.trainer
     return TrainerConfig(
-        lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         micro_batch_size=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens,
         dtype=t.dtype,
         temperature=recipe.train.sampling.temperature or 1.0,
@@ -148,6 +148,9 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
                   "(`rl360 sft <recipe>` writes the warm start to sft.out)", file=sys.stderr)
             return 2
         recipe.model.path = tr.init  # engines and trainer start from the warm start
+    # the time budget counts from here: Ray, Serve, the actors and every step (a warm start
+    # made above is a one-time cost, cached for later runs)
+    deadline = time.monotonic() + tr.max_minutes * 60 if tr.max_minutes else None
     model_path = resolve_model_path(recipe.model.path)
     step0, version = int(meta.get("step", 0)), int(meta.get("version", 0))
     (run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
@@ -172,7 +175,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
             ray.get(controller.start.remote(int(meta.get("groups_started", 0)),
                                             int(meta.get("tasks_taken", 0))))
             _loop(recipe, run_dir, trainer, serving, transport, buffer, controller, sink, step0,
-                  version)
+                  version, deadline)
         finally:
             try:
                 ray.get(controller.stop.remote(), timeout=30)
@@ -187,7 +190,8 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
 
 
 def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: Any,
-          buffer: Any, controller: Any, sink: Any, step0: int, version: int) -> None:
+          buffer: Any, controller: Any, sink: Any, step0: int, version: int,
+          deadline: float | None = None) -> None:
     import ray
 
     from rl360.launch.cluster import STOP
@@ -243,9 +247,13 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
             **{k: v for k, v in cstat.items() if k.startswith("count/")},
         }
         sink.log(row)
-        if (tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps or STOP.requested:
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        if out_of_time:
+            print(f"rl360: time budget of {tr.max_minutes:g} min reached after step {step}")
+        if ((tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps
+                or STOP.requested or out_of_time):
             path = save_checkpoint(run_dir, step, version, trainer, buffer, cstat, tr.keep_checkpoints)
-            if STOP.requested:
+            if STOP.requested or out_of_time:
                 print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
                 return
 
