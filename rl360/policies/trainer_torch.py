@@ -202,8 +202,9 @@ class TorchTrainer:
         acc = _Metrics()
         loss_total = torch.zeros((), dtype=torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
+        work = self._samples_with_gradient(samples)
         if global_tokens > 0:
-            for mb in self._micro_batches(samples):
+            for mb in self._micro_batches(work):
                 loss_total += self._forward_backward(mb, acc, global_tokens, global_seqs)
         self._add_batch_metrics(batch, acc)
         if self.world_size > 1:
@@ -221,12 +222,24 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = acc.result()
         metrics.update(
+            zero_adv_skipped=float(len(samples) - len(work)),
             loss=float(loss_total), grad_norm=float(grad_norm), lr=float(lr),
             skipped=float(skipped), step=float(self.step), tokens=float(global_tokens),
             seqs=float(global_seqs), local_tokens=float(local_tokens),
             local_seqs=float(local_seqs), step_time_s=time.perf_counter() - t0,
         )
         return metrics
+
+    def _samples_with_gradient(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """The samples whose forward/backward can change the step. Every policy loss here is
+        advantage-weighted, so a sample with advantage 0 (a group where every attempt scored
+        the same, e.g. an agent task nobody solves) has exactly zero gradient unless a KL term
+        pulls it to the reference: it is skipped, but stays in the global denominators, so the
+        step is the one the whole batch gives. Its tokens are then missing from the entropy /
+        mismatch metrics (counted in `zero_adv_skipped`)."""
+        if self.config.loss.kl_coef > 0:
+            return samples
+        return [s for s in samples if s.advantage != 0.0]
 
     def _chunks(self, samples: list[TrainSample]) -> Iterator[list[TrainSample]]:
         """Longest first; a micro-batch holds at most micro_batch_size sequences and, when

@@ -188,3 +188,29 @@ def test_token_budget_micro_batches_change_nothing_but_the_packing(tiny_dir) -> 
     assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(b["loss"]))
     for (_, p), (_, q) in zip(capped.model.named_parameters(), plain.model.named_parameters(), strict=True):
         assert (p - q).abs().max().item() <= 1e-5
+
+
+def test_zero_advantage_samples_skip_compute_but_not_the_denominators(  # type: ignore[no-untyped-def]
+    tiny_dir: Path, make_samples, monkeypatch
+) -> None:
+    """Samples of a group whose attempts all scored the same (advantage 0) are not run through
+    forward/backward, yet the step is exactly the whole batch's: they stay in the token-mean's
+    global denominator."""
+    samples = make_samples(12, seed=5, max_len=40, noise=0.3)
+    for s in samples[::3]:
+        s.advantage = 0.0
+    batch = Batch(samples=samples)
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, loss=LossConfig(name="ppo"))
+    skipping = TorchTrainer(cfg, tiny_dir)
+    m1 = skipping.train_step(batch)
+    full = TorchTrainer(cfg, tiny_dir)
+    monkeypatch.setattr(full, "_samples_with_gradient", lambda xs: xs)
+    m2 = full.train_step(batch)
+    assert m1["zero_adv_skipped"] == 4 and m2["zero_adv_skipped"] == 0
+    assert m1["tokens"] == m2["tokens"] == sum(sum(s.mask) for s in samples)
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6, abs=1e-9)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    assert max_diff(weights(skipping), weights(full)) < 1e-6
+    # with a KL term a zero-advantage sample still has a gradient: nothing is skipped
+    kl = TorchTrainer(TrainerConfig(lr=1e-3, loss=LossConfig(name="ppo", kl_coef=0.1)), tiny_dir)
+    assert len(kl._samples_with_gradient(samples)) == len(samples)
