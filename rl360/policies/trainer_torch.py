@@ -146,18 +146,7 @@ class TorchTrainer:
         self.model.train(False)  # no dropout: old == current must hold exactly
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=config.betas, eps=config.adam_eps,
-            weight_decay=config.weight_decay, foreach=True,
-        )
-        warm = config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
-        )
-        self.loss_fn: PolicyLoss = build_policy_loss(config.loss)
-        self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
-        self.reference = None
+        self._setup_optimization(config)
         if self.loss_fn.needs_reference:
             self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
             self.reference.train(False).requires_grad_(False)
@@ -183,6 +172,22 @@ class TorchTrainer:
         """The data-parallel process group (None: the default group, every rank is one).
         Backends with model parallelism override this."""
         return None
+
+    def _setup_optimization(self, config: TrainerConfig) -> None:
+        """AdamW over the trainable parameters with linear warm-up, the policy loss and the
+        reducer (shared by every trainer backend built on this class)."""
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=config.betas, eps=config.adam_eps,
+            weight_decay=config.weight_decay, foreach=True,
+        )
+        warm = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+        )
+        self.loss_fn: PolicyLoss = build_policy_loss(config.loss)
+        self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
+        self.reference: Any = None
 
     # ------------------------------------------------------------------ training
 

@@ -30,7 +30,6 @@ import msgspec
 import torch
 from torch import Tensor
 
-from rl360.policies.losses import PolicyLoss, build_policy_loss
 from rl360.policies.megatron.convert import GPTShape, mcore_to_hf, shape_from_hf
 from rl360.policies.megatron.model import (
     ParallelConfig,
@@ -41,7 +40,6 @@ from rl360.policies.megatron.model import (
     on_gpu,
     read_hf_weights,
 )
-from rl360.policies.reducers import Reducer, build_reducer
 from rl360.policies.trainer_torch import (
     _NOT_COPIED,
     _WEIGHT_SUFFIXES,
@@ -89,18 +87,7 @@ class MegatronTrainer(TorchTrainer):
         if config.gradient_checkpointing:
             raise NotImplementedError("megatron backend: gradient_checkpointing is not wired "
                                       "(megatron's recompute_granularity)")
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=config.betas, eps=config.adam_eps,
-            weight_decay=config.weight_decay, foreach=True,
-        )
-        warm = config.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
-        )
-        self.loss_fn: PolicyLoss = build_policy_loss(config.loss)
-        self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
-        self.reference = None
+        self._setup_optimization(config)
         if self.loss_fn.needs_reference:
             self.reference = build_gpt(self.shape, self.parallel)
             load_hf_into(self.reference, hf_weights, self.shape)

@@ -62,6 +62,16 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
+    """The request checks every backend makes before queueing a prompt."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens does not fit max_model_len {max_model_len}"
+        )
+
+
 class BackendUnavailable(RuntimeError):
     pass
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl360.serve.backends.base import EngineConfig
+from rl360.serve.backends.base import EngineConfig, check_prompt
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.torch")
@@ -91,13 +91,7 @@ class TorchBackend:
         return self._version
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty")
-        if len(prompt_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens does not fit max_model_len "
-                f"{self.config.max_model_len}"
-            )
+        check_prompt(prompt_ids, self.config.max_model_len)
         self._ensure_started()
         assert self._queue is not None
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()

@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any
 
-from rl360.serve.backends.base import EngineConfig
+from rl360.serve.backends.base import EngineConfig, check_prompt
 from rl360.serve.backends.vllm_worker import pack_state
 from rl360.types import Generation, SamplingParams
 
@@ -146,13 +146,7 @@ class VLLMBackend:
         return self._version
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty")
-        if len(prompt_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens does not fit max_model_len "
-                f"{self.config.max_model_len}"
-            )
+        check_prompt(prompt_ids, self.config.max_model_len)
         engine = await self._ensure_started()
         assert self._open is not None and self._drained is not None
         from vllm.inputs import TokensPrompt
