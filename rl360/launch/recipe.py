@@ -116,6 +116,7 @@ class LossSection(_S):
     tis_cap: Annotated[float, Meta(ge=1.0)] = 2.0
     kl_coef: NonNegFloat = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: NonNegFloat = 0.0  # entropy bonus: loss -= coef x per-token entropy
     reducer: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
 
 

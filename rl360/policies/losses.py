@@ -38,6 +38,8 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tis_cap: float = 2.0  # 0 turns the TIS weight off (the mismatch is still reported)
     kl_coef: float = 0.0  # > 0 needs ref_logprobs (a frozen reference policy)
     kl_estimator: Literal["k1", "k3"] = "k3"
+    # > 0: subtract coef x the policy's per-token entropy from the loss (an exploration bonus)
+    entropy_coef: float = 0.0
     reducer: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     norm_length: int = 1024  # the constant divisor of seq-mean-token-sum-norm
 
@@ -51,8 +53,9 @@ class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                              f"{self.eps_low}, {self.eps_high}")
         if self.tis_cap != 0 and self.tis_cap < 1:
             raise ValueError(f"loss.tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
-        if self.kl_coef < 0:
-            raise ValueError(f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"loss.kl_coef and loss.entropy_coef must be >= 0, got "
+                             f"{self.kl_coef}, {self.entropy_coef}")
         if self.norm_length <= 0:
             raise ValueError(f"loss.norm_length must be > 0, got {self.norm_length}")
 

@@ -239,10 +239,11 @@ class TorchTrainer:
         """The samples whose forward/backward can change the step. Every policy loss here is
         advantage-weighted, so a sample with advantage 0 (a group where every attempt scored
         the same, e.g. an agent task nobody solves) has exactly zero gradient unless a KL term
-        pulls it to the reference: it is skipped, but stays in the global denominators, so the
+        pulls it to the reference (or an entropy bonus acts): it is skipped, but stays in the global denominators, so the
         step is the one the whole batch gives. Its tokens are then missing from the entropy /
-        mismatch metrics (counted in `zero_adv_skipped`)."""
-        if self.config.loss.kl_coef > 0:
+        mismatch metrics (counted in `zero_adv_skipped`). An entropy bonus, like KL, has a
+        gradient on every sample."""
+        if self.config.loss.kl_coef > 0 or self.config.loss.entropy_coef > 0:
             return samples
         return [s for s in samples if s.advantage != 0.0]
 
@@ -309,6 +310,9 @@ class TorchTrainer:
         per_token, metrics = self.loss_fn(
             logprobs, logprobs.detach(), mb.sampling, mb.adv, mb.mask, ref_logprobs
         )
+        if self.config.loss.entropy_coef > 0:
+            bonus = entropy_from_logits(logits) * mb.mask
+            per_token = per_token - self.config.loss.entropy_coef * bonus
         loss = self.reducer(per_token, mb.mask, global_tokens=global_tokens, global_seqs=global_seqs)
         loss.backward()
         with torch.no_grad():

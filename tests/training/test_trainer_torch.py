@@ -214,3 +214,24 @@ def test_zero_advantage_samples_skip_compute_but_not_the_denominators(  # type: 
     # with a KL term a zero-advantage sample still has a gradient: nothing is skipped
     kl = TorchTrainer(TrainerConfig(lr=1e-3, loss=LossConfig(name="ppo", kl_coef=0.1)), tiny_dir)
     assert len(kl._samples_with_gradient(samples)) == len(samples)
+
+
+def test_entropy_bonus_raises_entropy_and_trains_every_sample(tiny_dir: Path, make_samples) -> None:  # type: ignore[no-untyped-def]
+    """With only the bonus acting (every advantage 0), a step makes the policy less certain on
+    the same tokens; without it the step changes nothing."""
+    samples = make_samples(8, seed=7, max_len=30)
+    for s in samples:
+        s.advantage = 0.0
+    batch = Batch(samples=samples)
+    plain = TorchTrainer(TrainerConfig(lr=1e-2, loss=LossConfig(name="ppo")), tiny_dir)
+    before = weights(plain)
+    assert plain.train_step(batch)["zero_adv_skipped"] == 8
+    assert max_diff(before, weights(plain)) == 0.0
+    bonus = TorchTrainer(TrainerConfig(lr=1e-2, loss=LossConfig(name="ppo", entropy_coef=1.0)),
+                         tiny_dir)
+    first = bonus.train_step(batch)
+    second = bonus.train_step(batch)
+    assert first["zero_adv_skipped"] == 0
+    assert second["entropy"] > first["entropy"]
+    with pytest.raises(ValueError, match="entropy_coef"):
+        LossConfig(entropy_coef=-0.1)
