@@ -247,7 +247,7 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
             **{k: v for k, v in cstat.items() if k.startswith("count/")},
         }
         sink.log(row)
-        out_of_time = deadline is not None and time.monotonic() >= deadline
+        out_of_time = deadline is not None and time.monotonic() >= deadline and step < tr.steps
         if out_of_time:
             print(f"rl360: time budget of {tr.max_minutes:g} min reached after step {step}")
         if ((tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps
