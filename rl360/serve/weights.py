@@ -10,8 +10,10 @@ move forward; an older or equal version is ignored by the backend, which logs it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("rl360.weights")
@@ -58,8 +60,7 @@ class WeightPublisher:
             self.ranks[replica] = self._next_rank
             self._members[replica] = {**info, "offset": self._next_rank, "width": width}
             self._next_rank += width
-            self._applied_changed.set()
-            self._applied_changed = asyncio.Event()
+            self._notify()
         return self.ranks[replica]
 
     async def members(self) -> dict[str, dict[str, Any]]:
@@ -70,34 +71,20 @@ class WeightPublisher:
         self.checksums.setdefault(version, {})[replica] = report
         for old in [v for v in self.checksums if v < version - 4]:
             del self.checksums[old]
-        self._applied_changed.set()
-        self._applied_changed = asyncio.Event()
+        self._notify()
 
     async def wait_checksums(self, version: int, replicas: int,
                              timeout_s: float) -> dict[str, dict[str, Any]]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.checksums.get(version, {})) < replicas:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{len(self.checksums.get(version, {}))} of {replicas} "
-                                   f"replicas reported weight checksums for version {version}")
-            try:
-                await asyncio.wait_for(self._applied_changed.wait(), remaining)
-            except TimeoutError:
-                pass
+        if not await self._wait_for(lambda: len(self.checksums.get(version, {})) >= replicas,
+                                    timeout_s):
+            raise TimeoutError(f"{len(self.checksums.get(version, {}))} of {replicas} "
+                               f"replicas reported weight checksums for version {version}")
         return dict(self.checksums[version])
 
     async def wait_registered(self, replicas: int, timeout_s: float) -> dict[str, int]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.ranks) < replicas:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"only {len(self.ranks)} of {replicas} engine replicas "
-                                   f"registered for weight sync within {timeout_s:.0f}s")
-            try:
-                await asyncio.wait_for(self._applied_changed.wait(), remaining)
-            except TimeoutError:
-                pass
+        if not await self._wait_for(lambda: len(self.ranks) >= replicas, timeout_s):
+            raise TimeoutError(f"only {len(self.ranks)} of {replicas} engine replicas "
+                               f"registered for weight sync within {timeout_s:.0f}s")
         return dict(self.ranks)
 
     async def wait_newer(self, have: int, timeout_s: float) -> tuple[int, Any]:
@@ -110,23 +97,33 @@ class WeightPublisher:
 
     async def report_applied(self, replica: str, version: int) -> None:
         self.applied[replica] = (version, time.time() - self.published_at)
-        self._applied_changed.set()
-        self._applied_changed = asyncio.Event()
+        self._notify()
 
     async def wait_applied(self, version: int, replicas: int, timeout_s: float) -> int:
         """Wait up to `timeout_s` until `replicas` engine replicas serve >= `version`; returns
         the lowest version those replicas serve (0 before any update was applied)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def low() -> int:
             served = sorted((v for v, _ in self.applied.values()), reverse=True)[:replicas]
-            low = min(served) if len(served) >= replicas else 0
+            return min(served) if len(served) >= replicas else 0
+
+        await self._wait_for(lambda: low() >= version, timeout_s)
+        return low()
+
+    def _notify(self) -> None:
+        """Wake every waiter on registrations, applied versions and checksums."""
+        self._applied_changed.set()
+        self._applied_changed = asyncio.Event()
+
+    async def _wait_for(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for `done()`, re-checked at each notification."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
             remaining = deadline - time.monotonic()
-            if low >= version or remaining <= 0:
-                return low
-            try:
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._applied_changed.wait(), remaining)
-            except TimeoutError:
-                pass
+        return True
 
     async def report_stats(self, replica: str, stats: dict[str, Any]) -> None:
         self.engine_stats[replica] = stats
