@@ -386,7 +386,12 @@ class TorchTrainer:
         for name, data in self._side_files.items():
             if not (out / name).exists():
                 (out / name).write_bytes(data)
-        state = {
+        self._write_state(out / STATE_FILE, self._train_state())
+        return out
+
+    def _train_state(self) -> dict[str, Any]:
+        """What a resume needs besides the weights: step, optimizer, scheduler, RNG, config."""
+        return {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -394,10 +399,12 @@ class TorchTrainer:
             "python_rng": random.getstate(),
             "config": msgspec.to_builtins(self.config),
         }
-        tmp = out / f".{STATE_FILE}.tmp"
+
+    @staticmethod
+    def _write_state(path: Path, state: dict[str, Any]) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")  # whole file or none
         torch.save(state, tmp)
-        tmp.replace(out / STATE_FILE)
-        return out
+        tmp.replace(path)
 
     def load(self, in_dir: str | Path) -> None:
         """Restore weights, optimizer, scheduler, step and RNG state written by `save`."""

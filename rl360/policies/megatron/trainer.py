@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 from torch import Tensor
 
@@ -221,20 +220,9 @@ class MegatronTrainer(TorchTrainer):
         out.mkdir(parents=True, exist_ok=True)
         if self.tp_rank == 0:
             self._save_model(out)
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "config": msgspec.to_builtins(self.config),
-            "backend": "megatron",
-            "tensor_parallel": self.parallel.tensor,
-        }
-        name = self._state_file()
-        tmp = out / f".{name}.tmp"
-        torch.save(state, tmp)
-        tmp.replace(out / name)
+        state = {**self._train_state(), "backend": "megatron",
+                 "tensor_parallel": self.parallel.tensor}
+        self._write_state(out / self._state_file(), state)
         return out
 
     def _save_model(self, out: Path) -> None:
