@@ -33,10 +33,15 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are picked (picking them one
+    at a time can hand out the same port twice, and Ray refuses a port given to two of its
+    components)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def _get(url: str) -> Any:
@@ -71,16 +76,11 @@ def ray_head() -> Iterator[dict[str, str]]:
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("the ray CLI is not installed next to this python")
     temp_dir = tempfile.mkdtemp(prefix="rl360j-", dir="/tmp")  # short: unix socket paths
-    dash = _free_port()
-    ports = {
-        "--port": _free_port(),
-        "--dashboard-port": dash,
-        "--ray-client-server-port": _free_port(),
-        "--dashboard-agent-listen-port": _free_port(),
-        "--dashboard-agent-grpc-port": _free_port(),
-        "--runtime-env-agent-port": _free_port(),
-        "--metrics-export-port": _free_port(),
-    }
+    flags = ["--port", "--dashboard-port", "--ray-client-server-port",
+             "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+             "--runtime-env-agent-port", "--metrics-export-port"]
+    ports = dict(zip(flags, _free_ports(len(flags)), strict=True))
+    dash = ports["--dashboard-port"]
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
            "--dashboard-host", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "true",
            "--temp-dir", temp_dir, "--disable-usage-stats"]
@@ -144,7 +144,7 @@ def test_ray_job_submit_runs_rl360_serve(ray_head: dict[str, str]) -> None:
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--no-wait",
          "--submission-id", job_id, "--",
          "python", "-m", "rl360", "serve", "recipes/cpu-demo.toml", "--duration", "20",
-         "--set", "ray.dashboard=false", "--set", f"serve.port={_free_port()}",
+         "--set", "ray.dashboard=false", "--set", f"serve.port={_free_ports(1)[0]}",
          "--set", "engine.num_cpus=0.5"],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
     )
@@ -186,7 +186,7 @@ def test_ray_job_submit_rl360_train(ray_head: dict[str, str], tmp_path: Path) ->
     url = ray_head["dashboard"]
     job_id = f"rl360-train-test-{os.getpid()}"
     root = tmp_path / "runs-root"  # where the job's relative run paths land (RL360_RUNS_ROOT)
-    sets = [*TRAIN_JOB_SETS, f"serve.port={_free_port()}"]
+    sets = [*TRAIN_JOB_SETS, f"serve.port={_free_ports(1)[0]}"]
     t0 = time.monotonic()
     out = subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--no-wait",
