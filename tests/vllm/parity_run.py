@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from rl360.serve.backends.base import EngineConfig
+from rl360.serve.backends.torch_backend import processed_logprobs
 from rl360.types import SamplingParams
 
 PROMPTS = [
@@ -36,21 +37,6 @@ PROMPTS = [
 ]
 MAX_TOKENS = 12
 SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, max_tokens=MAX_TOKENS, seed=7)
-
-
-def processed_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """The distribution rl360's torch backend samples from (its `_sample`), as logprobs."""
-    scaled = logits / sp.temperature
-    if sp.top_k and 0 < sp.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, sp.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= sp.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    return torch.log_softmax(scaled, dim=-1)
 
 
 @torch.no_grad()

@@ -327,19 +327,25 @@ def _sample(
         logp = torch.log_softmax(logits, dim=-1)
         tok = int(torch.argmax(logits))
         return tok, float(logp[tok])
+    logp = processed_logprobs(logits, sp)
+    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
+    return tok, float(logp[tok])
+
+
+def processed_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Logprobs of the distribution a token is sampled from (temperature > 0): temperature,
+    then top-k, then top-p (the token that crosses p is kept)."""
     scaled = logits / sp.temperature
     if sp.top_k and 0 < sp.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, sp.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if sp.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= sp.top_p  # keep the token crossing p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs >= sp.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    logp = torch.log_softmax(scaled, dim=-1)
-    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-    return tok, float(logp[tok])
+    return torch.log_softmax(scaled, dim=-1)
 
 
 def _find_stop_string(tokenizer: Any, out_ids: list[int], stops: list[str]) -> str | None:
