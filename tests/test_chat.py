@@ -33,3 +33,18 @@ def test_end_of_turn_and_alternate_eos(renderer) -> None:  # type: ignore[no-unt
     tok = renderer.tokenizer
     assert renderer.end_of_turn_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.convert_tokens_to_ids("<|endoftext|>") in renderer.alt_eos_ids
+
+
+def test_tools_render_the_same_after_crossing_a_process(renderer) -> None:  # type: ignore[no-untyped-def]
+    """msgspec's omit_defaults drops `type` only when it is the default string object: a spec
+    pickled by Ray used to render with `"type": "function"` and a local one without it."""
+    import pickle
+
+    from rl360.envs.tools import BUILTIN_TOOLS
+
+    local = [t.spec for t in BUILTIN_TOOLS.values()]
+    moved = pickle.loads(pickle.dumps(local))
+    msgs = [Message(role="user", content="u")]
+    a = renderer.render_text(msgs, local, add_generation_prompt=True)
+    assert a == renderer.render_text(msgs, moved, add_generation_prompt=True)
+    assert a.count('"type": "function"') == len(local)

@@ -2,8 +2,8 @@
 
 Every demo task belongs to a family parameterised by a constant (add 7, count 'a', ...). The
 demo tasks use RESERVED constants; the warm-start (SFT) data is generated from the same
-families with every other constant, so no demo task's solution, tests or wording appears in
-it. `python examples/demo/families.py tasks > examples/tasks/code.jsonl` regenerates the tasks;
+families with every other constant, plus eight warm-start-only families (starts_with_<c>,
+last_<k>_chars, ...), so no demo task's solution, tests or wording appears in it. `python examples/demo/families.py tasks > examples/tasks/code.jsonl` regenerates the tasks;
 `rl360 sft` calls `warmstart_chats()`.
 """
 
@@ -80,6 +80,35 @@ FAMILIES = [
 ]
 
 
+# Warm-start-only families: no demo task is one of them. They put the demo's constants (letters,
+# small numbers) into more names and bodies, so a short warm start learns to copy a constant
+# from the instruction instead of recalling names it has seen. A reserved constant is reserved
+# in its own family (count_a is a demo task; starts_with_a is not).
+EXTRA = [
+    Family("starts_char", "s", lambda c: f"starts_with_{c}",
+           lambda c: f"True if s starts with '{c}', else False", lambda c: f"s.startswith('{c}')",
+           LETTERS, (), STRS),
+    Family("ends_char", "s", lambda c: f"ends_with_{c}",
+           lambda c: f"True if s ends with '{c}', else False", lambda c: f"s.endswith('{c}')",
+           LETTERS, (), STRS),
+    Family("find_char", "s", lambda c: f"find_{c}",
+           lambda c: f"the index of the first '{c}' in s, or -1", lambda c: f"s.find('{c}')",
+           LETTERS, (), STRS),
+    Family("remove_char", "s", lambda c: f"remove_{c}",
+           lambda c: f"s without any '{c}'", lambda c: f"s.replace('{c}', '')",
+           LETTERS, (), STRS),
+    Family("suffix_k", "s", lambda k: f"last_{word(k)}_chars",
+           lambda k: f"the last {k} characters of s", lambda k: f"s[-{k}:]", INTS, (), STRS),
+    Family("drop_k", "s", lambda k: f"drop_first_{word(k)}_chars",
+           lambda k: f"s without its first {k} characters", lambda k: f"s[{k}:]", INTS, (), STRS),
+    Family("item_end_k", "xs", lambda k: f"item_from_end_{word(k)}",
+           lambda k: f"the item of xs at index -{k}", lambda k: f"xs[-{k}]", tuple(range(1, 8)),
+           (), LISTS),
+    Family("floordiv_k", "x", lambda k: f"divide_by_{word(k)}",
+           lambda k: f"x divided by {k}, rounded down", lambda k: f"x // {k}", INTS, (),
+           (10, 22, 5)),
+]
+
 def instruction(f: Family, k: Any) -> str:
     return f"Write a Python function {f.func(k)}({f.arg}) that returns {f.text(k)}."
 
@@ -107,16 +136,23 @@ def demo_tasks() -> Iterator[dict[str, Any]]:
 
 def warmstart_pairs() -> list[tuple[str, str]]:
     """Every (instruction, solution) of the families with a non-reserved constant."""
-    return [(instruction(f, k), solution(f, k)) for f in FAMILIES for k in f.constants
+    return [(instruction(f, k), solution(f, k)) for f in FAMILIES + EXTRA for k in f.constants
             if k not in f.reserved]
 
 
 def warmstart_chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """n chats (user instruction -> assistant solution), sampled with replacement."""
+    """n chats (user instruction -> assistant solution): a family drawn uniformly (the demo
+    families and the warm-start-only ones), then one of its non-reserved constants (uniform
+    over pairs, item_k's 5 constants would be rare)."""
     rng = random.Random(seed)
-    pairs = warmstart_pairs()
-    return [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-            for q, a in (rng.choice(pairs) for _ in range(n))]
+    free = [(f, [k for k in f.constants if k not in f.reserved]) for f in FAMILIES + EXTRA]
+    chats = []
+    for _ in range(n):
+        f, ks = rng.choice(free)
+        k = rng.choice(ks)
+        chats.append({"messages": [{"role": "user", "content": instruction(f, k)},
+                                   {"role": "assistant", "content": solution(f, k)}]})
+    return chats
 
 
 if __name__ == "__main__":

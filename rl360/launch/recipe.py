@@ -195,6 +195,9 @@ class SftSection(_S):
     batch_size: PosInt = 32
     lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-3
     out: str = "runs/warmstart"
+    # > 0: a fresh tiny model (sft.base "tiny[:preset]") with a byte-level BPE of this many
+    # tokens trained on the SFT data instead of one token per byte (256..65536)
+    tokenizer_vocab: Annotated[int, Meta(ge=0, le=65536)] = 0
 
 
 class Recipe(_S):

@@ -137,12 +137,17 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = json.loads((ckpt / CKPT_META).read_text()) if ckpt else {}
     if tr.init:
-        if not (Path(tr.init) / "config.json").is_file() and recipe.sft.out == tr.init:
-            from rl360.policies.sft import run_sft
+        if recipe.sft.out == tr.init and not resume:
+            from rl360.policies.sft import run_sft, warm_start_is_current
 
-            print(f"rl360: no warm start at {tr.init}: running `rl360 sft` first", file=sys.stderr)
-            stats = run_sft(recipe.sft, seed=recipe.run.seed)
-            print(f"rl360: warm start done: loss {stats['loss']:.4f} in {stats['seconds']:.0f}s")
+            if not warm_start_is_current(recipe.sft, recipe.run.seed):
+                why = (f"no warm start at {tr.init}"
+                       if not (Path(tr.init) / "config.json").is_file()
+                       else f"the warm start at {tr.init} was made from other [sft] settings or data")
+                print(f"rl360: {why}: running `rl360 sft` first", file=sys.stderr)
+                stats = run_sft(recipe.sft, seed=recipe.run.seed)
+                print(f"rl360: warm start done: loss {stats['loss']:.4f} in "
+                      f"{stats['seconds']:.0f}s")
         if not (Path(tr.init) / "config.json").is_file():
             print(f"rl360: train.init {tr.init!r} is not a model directory; create it first "
                   "(`rl360 sft <recipe>` writes the warm start to sft.out)", file=sys.stderr)

@@ -12,8 +12,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from rl360.types import FunctionCall, Message, ToolCall, ToolSpec
 
 # tokens that end an assistant turn in common templates; the first one the tokenizer knows
@@ -84,7 +82,7 @@ class ChatRenderer:
         add_generation_prompt: bool,
     ) -> str:
         msgs = [_message_for_template(m) for m in messages]
-        tool_dicts = [msgspec.to_builtins(t) for t in tools] if tools else None
+        tool_dicts = [_tool_for_template(t) for t in tools] if tools else None
         return self.tokenizer.apply_chat_template(
             msgs,
             tools=tool_dicts,
@@ -145,6 +143,16 @@ def _parse_tool_call_json(body: str) -> ToolCall | None:
         id=f"call_{uuid.uuid4().hex[:16]}",
         function=FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)),
     )
+
+
+def _tool_for_template(t: ToolSpec) -> dict[str, Any]:
+    """A tool spec with every field, in the OpenAI order. Not msgspec.to_builtins: with
+    omit_defaults it drops `type` only when the string is the default *object*, so a spec that
+    crossed a process boundary (pickled by Ray) rendered with `"type": "function"` and a local
+    one without: two prompts for the same tools."""
+    f = t.function
+    fn = {"name": f.name, "description": f.description, "parameters": f.parameters}
+    return {"type": t.type, "function": fn}
 
 
 def _message_for_template(m: Message) -> dict[str, Any]:

@@ -5,6 +5,7 @@ use these, saved as ordinary HF directories so every loader path is the real one
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,47 @@ def _bytes_to_unicode() -> dict[int, str]:
 def build_tiny_tokenizer() -> Any:
     """A byte-level tokenizer (one token per byte, no merges) with ChatML special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     table = _bytes_to_unicode()
     vocab = {table[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    return _chat_tokenizer(tok)
+
+
+def build_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> Any:
+    """A byte-level BPE of at most `vocab_size` tokens (plus the chat tokens) trained on
+    `texts`, with the same chat tokens and template as `build_tiny_tokenizer`. Any text still
+    encodes (every byte is in the vocabulary); text like the training data takes a quarter of
+    the tokens, so a tiny model copies a name as one or two tokens instead of ten bytes.
+    Deterministic: the same texts give the same tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256:
+        raise ValueError(f"BPE vocab_size {vocab_size} < 256: every byte needs a token")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    special = [*SPECIAL_TOKENS, *ADDED_TOKENS]
+
+    def plain(text: str) -> str:  # chat markup is added tokens: keep it out of the merges
+        for s in special:
+            text = text.replace(s, "\n")
+        return text
+
+    tok.train_from_iterator((plain(t) for t in texts), trainer)
+    return _chat_tokenizer(tok)
+
+
+def _chat_tokenizer(tok: Any) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
