@@ -202,6 +202,19 @@ def _openai_client(base_url: str, sid: str, token: str) -> Any:
     return AsyncOpenAI(base_url=f"{base_url}/sessions/{sid}/v1", api_key=token, max_retries=0)
 
 
+def with_plain_asyncio(options: dict[str, Any]) -> dict[str, Any]:
+    """Actor options whose worker runs the standard asyncio loop instead of uvloop. Env actors
+    start sandboxes (subprocesses) from their event loop; uvloop forks through libuv and runs
+    Python's after-fork hook in the child (MagicStack/uvloop#749), which waits for a lock
+    another thread may hold at fork time: the child never execs and the actor's event loop,
+    blocked reading the spawn's error pipe, freezes with every episode on it (seen once in
+    ~30k demo episodes; gdb: PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept). Plain
+    asyncio spawns through _posixsubprocess, which runs no Python in the child."""
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), "RAY_USE_UVLOOP": "0"}
+    return {**options, "runtime_env": runtime_env}
+
+
 class EnvPool:
     """Driver-side handle on N EnvActors; `submit` returns an ObjectRef[Trajectory]."""
 
@@ -214,6 +227,7 @@ class EnvPool:
         env = recipe.env
         sampling = sampling or msgspec.to_builtins(recipe.eval.sampling)
         options = placement.env_options() if placement is not None else {"num_cpus": env.num_cpus}
+        options = with_plain_asyncio(options)
         cls = ray.remote(EnvActor)
         self.actors = [
             cls.options(name=f"rl360-env-{i}", namespace=recipe.ray.namespace,

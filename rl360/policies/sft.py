@@ -126,7 +126,7 @@ def backward_nll(model: Any, batch: list[tuple[list[int], list[int]]], pad: int)
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         part = -(logp * mask[:, 1:]).sum() / max(n_target, 1)
         part.backward()
-        total += float(part)
+        total += float(part.detach())
     return total
 
 

@@ -116,13 +116,20 @@ def test_run_sft_with_a_bpe_writes_a_loadable_policy(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl360.launch.recipe import SftSection
-    from rl360.policies.sft import run_sft
+    from rl360.policies.sft import run_sft, warm_start_is_current
 
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in _chats(40)))
     cfg = SftSection(data=str(data), base="tiny", steps=3, batch_size=8, tokenizer_vocab=300,
                      out=str(tmp_path / "out"))
+    assert not warm_start_is_current(cfg, 0)
     stats = run_sft(cfg)
+    # `rl360 train` reuses the warm start only while its [sft] settings and data are the same
+    assert warm_start_is_current(cfg, 0)
+    assert not warm_start_is_current(msgspec.structs.replace(cfg, lr=cfg.lr / 2), 0)
+    assert not warm_start_is_current(cfg, 1)
+    data.write_text("".join(json.dumps(c) + "\n" for c in _chats(41)))
+    assert not warm_start_is_current(cfg, 0)
     assert stats["samples"] == 40
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
