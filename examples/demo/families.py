@@ -109,6 +109,7 @@ EXTRA = [
            (10, 22, 5)),
 ]
 
+
 def instruction(f: Family, k: Any) -> str:
     return f"Write a Python function {f.func(k)}({f.arg}) that returns {f.text(k)}."
 

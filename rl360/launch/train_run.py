@@ -137,7 +137,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = json.loads((ckpt / CKPT_META).read_text()) if ckpt else {}
     if tr.init:
-        if recipe.sft.out == tr.init and not resume:
+        if recipe.sft.out == tr.init and ckpt is None:  # a checkpoint carries its own model
             from rl360.policies.sft import run_sft, warm_start_is_current
 
             if not warm_start_is_current(recipe.sft, recipe.run.seed):
