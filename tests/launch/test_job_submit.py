@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,21 +26,12 @@ from typing import Any
 
 import pytest
 
+from tests.ports import free_ports
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports: every socket stays bound until all are picked (picking them one
-    at a time can hand out the same port twice, and Ray refuses a port given to two of its
-    components)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def _get(url: str) -> Any:
@@ -79,7 +69,7 @@ def ray_head() -> Iterator[dict[str, str]]:
     flags = ["--port", "--dashboard-port", "--ray-client-server-port",
              "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
              "--runtime-env-agent-port", "--metrics-export-port"]
-    ports = dict(zip(flags, _free_ports(len(flags)), strict=True))
+    ports = dict(zip(flags, free_ports(len(flags)), strict=True))
     dash = ports["--dashboard-port"]
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
            "--dashboard-host", "127.0.0.1", "--num-cpus", "2", "--include-dashboard", "true",
@@ -144,7 +134,7 @@ def test_ray_job_submit_runs_rl360_serve(ray_head: dict[str, str]) -> None:
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--no-wait",
          "--submission-id", job_id, "--",
          "python", "-m", "rl360", "serve", "recipes/cpu-demo.toml", "--duration", "20",
-         "--set", "ray.dashboard=false", "--set", f"serve.port={_free_ports(1)[0]}",
+         "--set", "ray.dashboard=false", "--set", f"serve.port={free_ports(1)[0]}",
          "--set", "engine.num_cpus=0.5"],
         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
     )
@@ -186,7 +176,7 @@ def test_ray_job_submit_rl360_train(ray_head: dict[str, str], tmp_path: Path) ->
     url = ray_head["dashboard"]
     job_id = f"rl360-train-test-{os.getpid()}"
     root = tmp_path / "runs-root"  # where the job's relative run paths land (RL360_RUNS_ROOT)
-    sets = [*TRAIN_JOB_SETS, f"serve.port={_free_ports(1)[0]}"]
+    sets = [*TRAIN_JOB_SETS, f"serve.port={free_ports(1)[0]}"]
     t0 = time.monotonic()
     out = subprocess.run(
         [str(BIN / "ray"), "job", "submit", "--address", url, "--working-dir", ".", "--no-wait",

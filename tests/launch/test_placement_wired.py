@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -24,23 +22,9 @@ from typing import Any
 
 import pytest
 
+from tests.ports import free_ports
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768+) and above Ray's worker ports
-    (10002-19999): an ephemeral one was taken by one of the five raylets' own sockets before
-    Serve bound it ("Failed to bind to address") in one full run."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
 
 
 OVERRIDES = [
@@ -83,7 +67,7 @@ def _live(overrides: list[str]) -> dict[str, Any]:
 
     cluster = Cluster(initialize_head=True, head_node_args={
         **args(fake[0]), "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": _free_port()})
+        "dashboard_port": free_ports()[0]})
     try:
         node_names = {cluster.head_node.node_id: fake[0].name}
         for n in fake[1:]:
@@ -134,7 +118,7 @@ def _run(overrides: list[str], timeout: int) -> dict[str, Any]:
 @pytest.mark.ray
 @pytest.mark.slow
 def test_run_path_places_every_role() -> None:
-    out = _run([*OVERRIDES, f"serve.port={_free_port()}"], timeout=480)
+    out = _run([*OVERRIDES, f"serve.port={free_ports()[0]}"], timeout=480)
     plan = out["plan"]
     where: dict[str, list[str]] = {}
     for a in out["actors"]:

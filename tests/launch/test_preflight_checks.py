@@ -21,6 +21,7 @@ from rl360.launch.preflight import (
     run_preflight,
 )
 from rl360.launch.recipe import Recipe, apply_overrides, decode_recipe
+from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,14 +34,8 @@ def _one_line(check: preflight.Check) -> None:
     assert "\n" not in check.detail
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cpu_demo_passes_here(tmp_path: Path) -> None:
-    recipe = _recipe(f"run.out_dir='{tmp_path}'", f"serve.port={_free_port()}",
+    recipe = _recipe(f"run.out_dir='{tmp_path}'", f"serve.port={free_ports()[0]}",
                      "ray.dashboard=false")
     checks = run_preflight(recipe, live=False)
     names = [c.name for c in checks]
