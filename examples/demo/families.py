@@ -3,7 +3,8 @@
 Every demo task belongs to a family parameterised by a constant (add 7, count 'a', ...). The
 demo tasks use RESERVED constants; the warm-start (SFT) data is generated from the same
 families with every other constant, plus eight warm-start-only families (starts_with_<c>,
-last_<k>_chars, ...), so no demo task's solution, tests or wording appears in it. `python examples/demo/families.py tasks > examples/tasks/code.jsonl` regenerates the tasks;
+last_<k>_chars, ...), so no demo task's solution, tests or wording appears in it.
+`python examples/demo/families.py tasks > examples/tasks/code.jsonl` regenerates the tasks;
 `rl360 sft` calls `warmstart_chats()`.
 """
 
@@ -135,10 +136,14 @@ def demo_tasks() -> Iterator[dict[str, Any]]:
                    "reference": solution(f, k), "family": f.name}
 
 
+def free(f: Family) -> list[Any]:
+    """The family's constants no demo task uses (the warm start's)."""
+    return [k for k in f.constants if k not in f.reserved]
+
+
 def warmstart_pairs() -> list[tuple[str, str]]:
     """Every (instruction, solution) of the families with a non-reserved constant."""
-    return [(instruction(f, k), solution(f, k)) for f in FAMILIES + EXTRA for k in f.constants
-            if k not in f.reserved]
+    return [(instruction(f, k), solution(f, k)) for f in FAMILIES + EXTRA for k in free(f)]
 
 
 def warmstart_chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -146,10 +151,10 @@ def warmstart_chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
     families and the warm-start-only ones), then one of its non-reserved constants (uniform
     over pairs, item_k's 5 constants would be rare)."""
     rng = random.Random(seed)
-    free = [(f, [k for k in f.constants if k not in f.reserved]) for f in FAMILIES + EXTRA]
+    families = [(f, free(f)) for f in FAMILIES + EXTRA]
     chats = []
     for _ in range(n):
-        f, ks = rng.choice(free)
+        f, ks = rng.choice(families)
         k = rng.choice(ks)
         chats.append({"messages": [{"role": "user", "content": instruction(f, k)},
                                    {"role": "assistant", "content": solution(f, k)}]})

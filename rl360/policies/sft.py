@@ -42,16 +42,22 @@ def load_chats(spec: str, n: int, seed: int) -> list[dict[str, Any]]:
     raise ValueError(f"sft.data {spec!r}: expected a .jsonl file or 'module:function'")
 
 
+def _chat_parts(chat: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
+    """A JSON chat's messages and tools (None when it lists none) as wire types."""
+    from rl360.types import Message, ToolSpec
+
+    msgs = [msgspec.convert(m, Message) for m in chat["messages"]]
+    tools = [msgspec.convert(t, ToolSpec) for t in chat.get("tools") or ()] or None
+    return msgs, tools
+
+
 def encode_chat(renderer: Any, chat: dict[str, Any]) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of a chat: the loss covers the last message, an assistant turn
     (its text and tool calls, as the chat template writes them) and its end-of-turn token.
     A chat may list "tools" (OpenAI function specs), rendered into the prompt as an env would."""
-    from rl360.types import Message, ToolSpec
-
-    msgs = [msgspec.convert(m, Message) for m in chat["messages"]]
+    msgs, tools = _chat_parts(chat)
     if not msgs or msgs[-1].role != "assistant":
         raise ValueError("each SFT chat must end with an assistant message")
-    tools = [msgspec.convert(t, ToolSpec) for t in chat.get("tools") or ()] or None
     prompt_text = renderer.render_text(msgs[:-1], tools, add_generation_prompt=True)
     full_text = renderer.render_text(msgs, tools, add_generation_prompt=False)
     turn = full_text[len(prompt_text) :] if full_text.startswith(prompt_text) else ""
@@ -149,12 +155,10 @@ def chat_texts(chats: list[dict[str, Any]]) -> Iterator[str]:
     tokenizer for these chats is trained on)."""
     from rl360.policies.chat import ChatRenderer
     from rl360.policies.tiny import build_tiny_tokenizer
-    from rl360.types import Message, ToolSpec
 
     renderer = ChatRenderer(build_tiny_tokenizer())
     for chat in chats:
-        msgs = [msgspec.convert(m, Message) for m in chat["messages"]]
-        tools = [msgspec.convert(t, ToolSpec) for t in chat.get("tools") or ()] or None
+        msgs, tools = _chat_parts(chat)
         yield renderer.render_text(msgs, tools, add_generation_prompt=False)
 
 
