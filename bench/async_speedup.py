@@ -24,8 +24,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def run(staleness: int, args: argparse.Namespace, out: Path) -> tuple[float, float]:
-    from rl360.launch.recipe import apply_overrides, decode_recipe
     from rl360.launch.train_run import run_train
+    from rl360.recipe import apply_overrides, decode_recipe
 
     recipe = decode_recipe(apply_overrides({}, [
         f"run.name=s{staleness}", f"run.out_dir={json.dumps(str(out))}", "model.path='tiny'",

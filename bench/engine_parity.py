@@ -47,9 +47,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.backends.base import EngineConfig
-    from rl360.serve.backends.torch_backend import TorchBackend
-    from rl360.serve.backends.vllm_backend import VLLMBackend
+    from rl360.serve.engines.base import EngineConfig
+    from rl360.serve.engines.torch_backend import TorchBackend
+    from rl360.serve.engines.vllm_backend import VLLMBackend
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     texts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(args.requests)]

@@ -26,8 +26,8 @@ MESSAGES = [{"role": "system", "content": "You write short Python functions."},
 async def direct(args: argparse.Namespace) -> tuple[float, int]:
     from rl360.policies.chat import ChatRenderer
     from rl360.policies.loading import load_tokenizer
-    from rl360.serve.backends.base import EngineConfig
-    from rl360.serve.backends.torch_backend import TorchBackend
+    from rl360.serve.engines.base import EngineConfig
+    from rl360.serve.engines.torch_backend import TorchBackend
     from rl360.types import Message, SamplingParams
 
     cfg = EngineConfig(model="tiny", max_batch_size=64, batch_wait_ms=5.0, threads=args.threads)
@@ -86,8 +86,8 @@ def main() -> None:
     print(f"direct:  {d_tok} tokens in {d_s:.2f}s = {d_tps:.0f} tok/s")
 
     from rl360.launch.cluster import ray_session
-    from rl360.launch.recipe import apply_overrides, decode_recipe
-    from rl360.serve.app import start_serving, stop_serving
+    from rl360.launch.serve_app import start_serving, stop_serving
+    from rl360.recipe import apply_overrides, decode_recipe
 
     recipe = decode_recipe(apply_overrides({}, [
         "engine.max_batch_size=64", "engine.batch_wait_ms=5.0", f"engine.threads={args.threads}",

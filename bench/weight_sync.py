@@ -37,12 +37,12 @@ class StateSender:
         return self.state
 
     def weight_spec(self):  # type: ignore[no-untyped-def]
-        from rl360.serve.transports import tensor_spec
+        from rl360.serve.weights.transports import tensor_spec
 
         return tensor_spec(self.state)
 
     def open_group(self, host: str, port: int, world: int) -> None:
-        from rl360.serve.transports import GlooGroup
+        from rl360.serve.weights.transports import GlooGroup
 
         self.group = GlooGroup(host, port, 0, world)
 
@@ -71,10 +71,10 @@ def main() -> None:
     import ray
 
     from rl360.launch.cluster import ray_session
-    from rl360.launch.recipe import apply_overrides, decode_recipe
+    from rl360.launch.serve_app import start_serving, stop_serving
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.app import start_serving, stop_serving
-    from rl360.serve.transports import CollectiveTransport
+    from rl360.recipe import apply_overrides, decode_recipe
+    from rl360.serve.weights.transports import CollectiveTransport
 
     model_dir = str(resolve_model_path("tiny:sync100m"))
     recipe = decode_recipe(apply_overrides({}, [

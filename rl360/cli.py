@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_recipe(args: argparse.Namespace) -> int:
     import msgspec
 
-    from rl360.launch.recipe import load_recipe
+    from rl360.recipe import load_recipe
 
     if args.recipe_command == "show":
         r = load_recipe(args.recipe, args.overrides)
@@ -89,16 +89,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from rl360.launch.recipe import load_recipe
     from rl360.launch.train_run import run_train
+    from rl360.recipe import load_recipe
 
     return run_train(load_recipe(args.recipe, args.overrides), resume=args.resume)
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from rl360.launch.paths import resolve_run_paths
-    from rl360.launch.recipe import load_recipe
     from rl360.policies.sft import run_sft
+    from rl360.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     if note := resolve_run_paths(recipe):
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         parser.error(f"unknown command {args.command}")
     from rl360.launch.placement import PlacementError
-    from rl360.launch.recipe import RecipeError
+    from rl360.recipe import RecipeError
 
     try:
         return int(handler(args) or 0)

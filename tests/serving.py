@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from rl360.launch.recipe import apply_overrides, decode_recipe
-from rl360.serve.transports import free_port
+from rl360.recipe import apply_overrides, decode_recipe
+from rl360.serve.weights.transports import free_port
 
 # one Serve HTTP port for the whole test session (Serve keeps the first proxy's port), free
 # at start-up so a developer's running `rl360 serve` on 8000 does not collide with the tests
@@ -16,7 +16,7 @@ SERVE_PORT = free_port()
 
 @contextmanager
 def serving(overrides: list[str], options: dict[str, Any] | None = None) -> Iterator[Any]:
-    from rl360.serve.app import start_serving, stop_serving
+    from rl360.launch.serve_app import start_serving, stop_serving
 
     data = apply_overrides({}, ["ray.namespace='rl360-tests'", "engine.num_cpus=0.5",
                                 f"serve.port={SERVE_PORT}", *overrides])

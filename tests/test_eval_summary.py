@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rl360.launch.eval_run import pass_at_k, summarize, write_calibration
-from rl360.launch.recipe import decode_recipe
+from rl360.recipe import decode_recipe
 from rl360.types import Reward, Task, Trajectory
 
 

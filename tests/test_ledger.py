@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from rl360.serve.backends.base import EngineConfig
-from rl360.serve.backends.scripted import ScriptedBackend
-from rl360.serve.openai_types import ApiError, ChatCompletionRequest
-from rl360.serve.sessions import LocalEngineClient, SessionConfig, SessionService
+from rl360.serve.engines.base import EngineConfig
+from rl360.serve.engines.scripted import ScriptedBackend
+from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest
+from rl360.serve.sessions.service import LocalEngineClient, SessionConfig, SessionService
 from rl360.types import Generation, SamplingParams
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -263,7 +263,7 @@ async def test_auth_and_unknown_session(renderer) -> None:  # type: ignore[no-un
 
 
 def test_unknown_matcher_is_a_clear_error(renderer) -> None:  # type: ignore[no-untyped-def]
-    from rl360.serve.ledger import LedgerError
+    from rl360.serve.sessions.ledger import LedgerError
 
     with pytest.raises(LedgerError, match="unknown message matcher"):
         make_service(renderer).open(matcher="fuzzy")

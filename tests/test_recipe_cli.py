@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rl360.launch.recipe import RecipeError, apply_overrides, decode_recipe, load_recipe
+from rl360.recipe import RecipeError, apply_overrides, decode_recipe, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Session-sticky routing: rendezvous hashing keeps sessions put when replicas change."""
 
-from rl360.serve.routing import rank_replicas
+from rl360.serve.engines.routing import rank_replicas
 
 
 def test_same_session_same_replica_and_minimal_movement() -> None:

@@ -8,16 +8,16 @@ import asyncio
 
 import pytest
 
-from rl360.serve.backends.base import BackendUnavailable, EngineConfig, build_engine_backend
-from rl360.serve.backends.gate import VersionGate
-from rl360.serve.backends.sglang_backend import (
+from rl360.serve.engines.base import BackendUnavailable, EngineConfig, build_engine_backend
+from rl360.serve.engines.gate import VersionGate
+from rl360.serve.engines.sglang_backend import (
     engine_kwargs,
     sglang_installed,
     split_options,
     to_generation,
     to_sglang_sampling,
 )
-from rl360.serve.backends.sglang_client import check_result, server_command
+from rl360.serve.engines.sglang_client import check_result, server_command
 from rl360.types import SamplingParams
 
 

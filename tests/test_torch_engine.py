@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from rl360.serve.backends.base import EngineConfig
-from rl360.serve.backends.torch_backend import TorchBackend, load_causal_lm
+from rl360.serve.engines.base import EngineConfig
+from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
 from rl360.types import SamplingParams
 
 
@@ -131,7 +131,7 @@ async def test_pause_holds_new_batches(lm) -> None:  # type: ignore[no-untyped-d
 def test_batches_are_split_by_prompt_length() -> None:
     import asyncio as aio
 
-    from rl360.serve.backends.torch_backend import _Request, split_by_length
+    from rl360.serve.engines.torch_backend import _Request, split_by_length
 
     loop = aio.new_event_loop()
     reqs = [_Request([1] * n, SamplingParams(), loop.create_future()) for n in (80, 2000, 90, 120, 1900)]

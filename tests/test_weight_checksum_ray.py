@@ -17,8 +17,8 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.policies.trainer_torch import TrainerConfig
-    from rl360.serve.transports import CollectiveTransport
-    from rl360.serve.weight_plan import SyncOptions
+    from rl360.serve.weights.plan import SyncOptions
+    from rl360.serve.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
         trainer = TrainerGroup(TrainerConfig(), tiny_dir, 1, num_cpus=0)
@@ -47,8 +47,8 @@ def test_planned_bucketed_sync_over_gloo(ray_cluster, tiny_dir: Path, layout: st
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.policies.trainer_torch import TrainerConfig
-    from rl360.serve.transports import CollectiveTransport
-    from rl360.serve.weight_plan import SyncOptions
+    from rl360.serve.weights.plan import SyncOptions
+    from rl360.serve.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
         trainer = TrainerGroup(TrainerConfig(), tiny_dir, 1, num_cpus=0)

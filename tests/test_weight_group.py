@@ -1,4 +1,4 @@
-"""The bucketed broadcast of rl360.serve.nccl run over gloo on CPU: a sender and a receiver
+"""The bucketed broadcast of rl360.serve.weights.nccl run over gloo on CPU: a sender and a receiver
 process in a standalone group (the group code and bucket loop are the ones NCCL runs on GPUs;
 tests/gpu/test_nccl_sync.py runs them with NCCL)."""
 
@@ -9,9 +9,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from rl360.serve.nccl import WeightReceiver, WeightSender
-from rl360.serve.transports import free_port
-from rl360.serve.weight_plan import NameMap, checksum_state, plan_buckets
+from rl360.serve.weights.nccl import WeightReceiver, WeightSender
+from rl360.serve.weights.plan import NameMap, checksum_state, plan_buckets
+from rl360.serve.weights.transports import free_port
 
 
 def _state() -> dict[str, torch.Tensor]:

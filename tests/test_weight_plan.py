@@ -7,8 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from rl360.serve.transports import tensor_spec
-from rl360.serve.weight_plan import (
+from rl360.serve.weights.plan import (
     NameMap,
     SyncOptions,
     bucket_bytes,
@@ -18,6 +17,7 @@ from rl360.serve.weight_plan import (
     plan_buckets,
     tensor_checksum,
 )
+from rl360.serve.weights.transports import tensor_spec
 
 MB = 1024 * 1024
 

@@ -69,8 +69,8 @@ class EnvActor:
 
     def __init__(self, env_cfg: dict[str, Any], sampling: dict[str, Any], shard_names: list[str],
                  namespace: str, base_url: str) -> None:
-        from rl360.envs.session_client import SessionDirectory
-        from rl360.launch.recipe import EnvSection
+        from rl360.actors.session_client import SessionDirectory
+        from rl360.recipe import EnvSection
 
         self.cfg = msgspec.convert(env_cfg, EnvSection)
         self.sampling = dict(sampling)
@@ -113,11 +113,11 @@ class EnvActor:
                            max_consecutive_tool_failures=c.max_consecutive_tool_failures)
 
     async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Trajectory:
+        from rl360.actors.session_client import ShardChatClient
         from rl360.envs.agent import run_agent_fn, run_episode
         from rl360.envs.api import TaskRefused
         from rl360.envs.registry import build_env, resolve
         from rl360.envs.sandbox import SandboxLimits
-        from rl360.envs.session_client import ShardChatClient
 
         t0 = time.monotonic()
         self.running += 1

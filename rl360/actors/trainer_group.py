@@ -109,16 +109,16 @@ class TrainerWorker:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         return self.trainer.state_dict_for_sync()
 
-    # collective weight sync (rank 0 is the sender; see rl360.serve.transports)
+    # collective weight sync (rank 0 is the sender; see rl360.serve.weights.transports)
     def weight_spec(self) -> list[tuple[str, list[int], str]]:
-        from rl360.serve.transports import tensor_spec
+        from rl360.serve.weights.transports import tensor_spec
 
         return tensor_spec(self.trainer.state_dict_for_sync())
 
     def open_group(self, host: str, port: int, world: int, backend: str = "gloo",
                    group_name: str = "") -> None:
         if not group_name:  # the CPU path: one gloo group, flat per-dtype buffers
-            from rl360.serve.transports import GlooGroup
+            from rl360.serve.weights.transports import GlooGroup
 
             self._weight_group = GlooGroup(host, port, 0, world)
             return
@@ -132,16 +132,16 @@ class TrainerWorker:
             return sum(v.numel() * v.element_size() for v in state.values())
         return self._sender().send(buckets, layout)
 
-    # GPU weight sync (rl360.serve.nccl) and its checksum debug option
+    # GPU weight sync (rl360.serve.weights.nccl) and its checksum debug option
     def _sender(self) -> Any:
         if getattr(self, "_weight_sender", None) is None:
-            from rl360.serve.nccl import WeightSender
+            from rl360.serve.weights.nccl import WeightSender
 
             self._weight_sender = WeightSender(lambda: self.trainer.state_dict_for_sync())
         return self._weight_sender
 
     def gpu_uuid(self) -> str:
-        from rl360.serve.nccl import gpu_uuid
+        from rl360.serve.weights.nccl import gpu_uuid
 
         return gpu_uuid()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from rl360.launch.recipe import Recipe, load_recipe
+from rl360.recipe import Recipe, load_recipe
 
 
 def _banner(recipe: Recipe, base_url: str, dashboard: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 from rl360.types import Task, Trajectory
 
 

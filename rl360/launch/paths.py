@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 
 RUNS_ROOT_ENV = "RL360_RUNS_ROOT"
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray for a job's entrypoint

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 
 ROLES = ("service", "train", "rollout")
 ROLE_CAPACITY = 1000.0  # what a node of a role advertises

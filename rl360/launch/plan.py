@@ -30,7 +30,7 @@ from rl360.launch.placement import (
     plural,
     role_resource,
 )
-from rl360.launch.recipe import ClusterRole, Recipe, load_recipe
+from rl360.recipe import ClusterRole, Recipe, load_recipe
 
 # ---------------------------------------------------------------------------- node lists
 

@@ -25,7 +25,7 @@ from typing import Literal
 
 import msgspec
 
-from rl360.launch.recipe import Recipe, load_recipe
+from rl360.recipe import Recipe, load_recipe
 
 Status = Literal["ok", "warn", "fail", "skip"]
 DASHBOARD_PORT = 8265

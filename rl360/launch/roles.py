@@ -19,7 +19,7 @@ import sys
 from typing import Any, Protocol
 
 from rl360.launch.placement import PlacementError, RayPlacement, is_cluster_recipe
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 
 
 class Placement(Protocol):

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from rl360.launch.placement import ROLES, is_cluster_recipe, node_resources
-from rl360.launch.recipe import Recipe, load_recipe
+from rl360.recipe import Recipe, load_recipe
 
 TEMPLATE = Path(__file__).parent / "templates" / "slurm.sbatch"
 

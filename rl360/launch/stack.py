@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 
 if TYPE_CHECKING:
     from rl360.actors.env_pool import EnvPool
     from rl360.launch.roles import Placement
-    from rl360.serve.app import ServingHandles
+    from rl360.launch.serve_app import ServingHandles
 
 
 @dataclass
@@ -39,7 +39,7 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
     from rl360.actors.env_pool import EnvPool
     from rl360.launch.cluster import ray_session
     from rl360.launch.roles import place_roles
-    from rl360.serve.app import start_serving, stop_serving
+    from rl360.launch.serve_app import start_serving, stop_serving
 
     r = recipe.ray
     with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:

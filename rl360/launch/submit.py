@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from rl360.launch.recipe import RecipeError, load_recipe
+from rl360.recipe import RecipeError, load_recipe
 
 EXCLUDES = [".venv", ".venv-*", "venv", "runs", ".git", "**/__pycache__", "*.egg-info", ".pytest_cache",
             ".ruff_cache", "wandb", "*.pyc"]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 
 if TYPE_CHECKING:
     from rl360.launch.stack import Stack
@@ -120,7 +120,11 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     from rl360.launch.paths import resolve_run_paths
     from rl360.launch.stack import running_stack
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.transports import CollectiveTransport, ObjectStoreTransport, sync_options
+    from rl360.serve.weights.transports import (
+        CollectiveTransport,
+        ObjectStoreTransport,
+        sync_options,
+    )
 
     if note := resolve_run_paths(recipe):
         print(note, file=sys.stderr)

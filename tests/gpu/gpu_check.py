@@ -161,8 +161,8 @@ def compare(ref: list[dict[str, Any]], eng: list[dict[str, Any]], model: Any,
 async def parity(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from rl360.serve.backends.base import EngineConfig, build_engine_backend
-    from rl360.serve.backends.torch_backend import TorchBackend
+    from rl360.serve.engines.base import EngineConfig, build_engine_backend
+    from rl360.serve.engines.torch_backend import TorchBackend
 
     ps = prompts(args.model)
     new = perturbation(args.model)
@@ -188,7 +188,7 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
         res["ref_changed"] = sum(a["ids"] != b["ids"] for a, b in zip(r0, r1, strict=True))
         res["versions_after"] = sorted({g["version"] for g in e1})
         if callable(getattr(eng, "weight_checksums", None)):
-            from rl360.serve.weight_plan import checksum_state, compare_checksums
+            from rl360.serve.weights.plan import checksum_state, compare_checksums
 
             sums = await eng.weight_checksums(PERTURBED)
             ours = checksum_state(new, {n: v[0] for n, v in sums.items()}, f"torch.{args.dtype}")
@@ -213,8 +213,8 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
 def _nccl_receiver(port: int, group: str, buckets: Any, device: int, q: Any) -> None:
     import torch
 
-    from rl360.serve.nccl import WeightReceiver
-    from rl360.serve.weight_plan import checksum_state
+    from rl360.serve.weights.nccl import WeightReceiver
+    from rl360.serve.weights.plan import checksum_state
 
     try:
         torch.cuda.set_device(device)
@@ -227,8 +227,8 @@ def _nccl_receiver(port: int, group: str, buckets: Any, device: int, q: Any) -> 
 
 
 def _ipc_receiver(payload: bytes, q: Any) -> None:
-    from rl360.serve.nccl import load_ipc
-    from rl360.serve.weight_plan import checksum_state
+    from rl360.serve.weights.nccl import load_ipc
+    from rl360.serve.weights.plan import checksum_state
 
     try:
         got = load_ipc(payload)
@@ -242,9 +242,9 @@ def nccl(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from rl360.serve.nccl import WeightSender
-    from rl360.serve.transports import free_port
-    from rl360.serve.weight_plan import checksum_state, compare_checksums, plan_buckets
+    from rl360.serve.weights.nccl import WeightSender
+    from rl360.serve.weights.plan import checksum_state, compare_checksums, plan_buckets
+    from rl360.serve.weights.transports import free_port
 
     g = torch.Generator().manual_seed(0)
     state = {f"layer{i}.weight": torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
@@ -311,7 +311,7 @@ async def raw_tps(engine: str, model: str, sessions: int, requests: int,
     from bench.serve_overhead import MESSAGES
     from rl360.policies.chat import ChatRenderer
     from rl360.policies.loading import load_tokenizer
-    from rl360.serve.backends.base import EngineConfig, build_engine_backend
+    from rl360.serve.engines.base import EngineConfig, build_engine_backend
     from rl360.types import Message, SamplingParams
 
     r = ChatRenderer(load_tokenizer(model))
@@ -337,7 +337,7 @@ async def raw_tps(engine: str, model: str, sessions: int, requests: int,
 
 
 def bench_recipe(engine: str, model: str, port: int) -> Any:
-    from rl360.launch.recipe import apply_overrides, decode_recipe
+    from rl360.recipe import apply_overrides, decode_recipe
 
     data = apply_overrides({}, [
         f"engine.backend='{engine}'", f"model.path={json.dumps(model)}",
@@ -350,8 +350,8 @@ def bench_recipe(engine: str, model: str, port: int) -> Any:
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from bench.serve_overhead import through_server
     from rl360.launch.cluster import ray_session
-    from rl360.serve.app import start_serving, stop_serving
-    from rl360.serve.transports import free_port
+    from rl360.launch.serve_app import start_serving, stop_serving
+    from rl360.serve.weights.transports import free_port
 
     raw = asyncio.run(raw_tps(args.engine, args.model, args.sessions, args.requests,
                               args.max_tokens))
@@ -379,9 +379,9 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from rl360.serve import nccl as _nccl
-    from rl360.serve.backends.base import BACKENDS, EngineConfig
-    from rl360.serve.backends.sglang_backend import engine_kwargs
+    from rl360.serve.engines.base import BACKENDS, EngineConfig
+    from rl360.serve.engines.sglang_backend import engine_kwargs
+    from rl360.serve.weights import nccl as _nccl
 
     wired: dict[str, Any] = {"nccl_sender": _nccl.WeightSender.__name__}
     if args.cmd in ("parity", "bench"):

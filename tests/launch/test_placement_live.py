@@ -47,7 +47,7 @@ def _live(overrides: list[str], engine_probe: bool) -> dict[str, Any]:
 
     from rl360.launch.placement import RayPlacement, node_resources, plan_placement
     from rl360.launch.plan import declared_nodes, nodes_from_ray
-    from rl360.launch.recipe import apply_overrides, decode_recipe
+    from rl360.recipe import apply_overrides, decode_recipe
 
     recipe = decode_recipe(apply_overrides({}, overrides))
     fake = declared_nodes(recipe)

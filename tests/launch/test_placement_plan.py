@@ -18,7 +18,7 @@ from rl360.launch.placement import (
     plan_placement,
 )
 from rl360.launch.plan import declared_nodes, local_node, nodes_from_ray, parse_nodes_spec
-from rl360.launch.recipe import Recipe, apply_overrides, decode_recipe, load_recipe
+from rl360.recipe import Recipe, apply_overrides, decode_recipe, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = REPO / "recipes" / "gpu-dense-8b.toml"

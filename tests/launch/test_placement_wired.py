@@ -52,10 +52,10 @@ def _live(overrides: list[str]) -> dict[str, Any]:
 
     from rl360.launch.placement import node_resources
     from rl360.launch.plan import declared_nodes
-    from rl360.launch.recipe import apply_overrides, decode_recipe
     from rl360.launch.stack import running_stack
     from rl360.launch.train_run import start_train_actors
     from rl360.policies.loading import resolve_model_path
+    from rl360.recipe import apply_overrides, decode_recipe
 
     recipe = decode_recipe(apply_overrides({}, overrides))
     fake = declared_nodes(recipe)

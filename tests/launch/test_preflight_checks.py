@@ -20,7 +20,7 @@ from rl360.launch.preflight import (
     format_checks,
     run_preflight,
 )
-from rl360.launch.recipe import Recipe, apply_overrides, decode_recipe
+from rl360.recipe import Recipe, apply_overrides, decode_recipe
 from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from rl360.launch.placement import PlacementError
-from rl360.launch.recipe import apply_overrides, decode_recipe
 from rl360.launch.roles import LocalPlacement, place_roles
+from rl360.recipe import apply_overrides, decode_recipe
 
 
 def test_local_recipe_keeps_sizes_and_asks_for_no_roles() -> None:

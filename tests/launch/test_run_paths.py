@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rl360.launch.paths import JOB_CONFIG_ENV, RUNS_ROOT_ENV, in_uploaded_job, resolve_run_paths
-from rl360.launch.recipe import Recipe, apply_overrides, decode_recipe
+from rl360.recipe import Recipe, apply_overrides, decode_recipe
 
 
 def _demo() -> Recipe:

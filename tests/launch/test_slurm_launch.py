@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from rl360.launch.recipe import load_recipe
 from rl360.launch.slurm import (
     SlurmError,
     SlurmOptions,
@@ -17,6 +16,7 @@ from rl360.launch.slurm import (
     node_commands,
     render_sbatch,
 )
+from rl360.recipe import load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE = "recipes/gpu-dense-8b.toml"

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from rl360.launch import submit as sub
-from rl360.launch.recipe import RecipeError
 from rl360.launch.submit import build_request, dashboard_url, on_interrupt
+from rl360.recipe import RecipeError
 
 REPO = Path(__file__).resolve().parents[2]
 

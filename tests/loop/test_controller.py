@@ -48,7 +48,7 @@ def tasks_file(tmp_path):  # type: ignore[no-untyped-def]
 def start(ray, tasks_file: str, staleness: int, env_kw: dict | None = None, **cfg):  # type: ignore[no-untyped-def]
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights import WeightPublisher
+    from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(FakeEnvActor).remote(**(env_kw or {}))
     buf = ray.remote(TrajectoryBuffer).remote({"group_size": 2, "groups_per_batch": 2,
@@ -110,7 +110,7 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
 
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights import WeightPublisher
+    from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(VarianceEnvActor).remote()
     buf = ray.remote(TrajectoryBuffer).remote({"group_size": 2, "groups_per_batch": 2,

@@ -115,8 +115,8 @@ def test_tiny_spec_takes_the_preset_and_refuses_other_bases() -> None:
 def test_run_sft_with_a_bpe_writes_a_loadable_policy(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl360.launch.recipe import SftSection
     from rl360.policies.sft import run_sft, warm_start_is_current
+    from rl360.recipe import SftSection
 
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in _chats(40)))

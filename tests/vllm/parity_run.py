@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from rl360.serve.backends.base import EngineConfig
-from rl360.serve.backends.torch_backend import processed_logprobs
+from rl360.serve.engines.base import EngineConfig
+from rl360.serve.engines.torch_backend import processed_logprobs
 from rl360.types import SamplingParams
 
 PROMPTS = [
@@ -100,8 +100,8 @@ async def main(model: str) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.backends.torch_backend import TorchBackend
-    from rl360.serve.backends.vllm_backend import VLLMBackend
+    from rl360.serve.engines.torch_backend import TorchBackend
+    from rl360.serve.engines.vllm_backend import VLLMBackend
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]

@@ -6,7 +6,7 @@ after the group), made the way SGLang's and vLLM's `init_weights_update_group` m
 trainer rank 0 (rank 0), our own receivers and SGLang's TP workers (ranks rank_offset..) can all
 be members of one group. It never touches the default process group of either side.
 
-Layouts (rl360.serve.weight_plan.SyncOptions.layout):
+Layouts (rl360.serve.weights.plan.SyncOptions.layout):
 - "per_tensor": each tensor of a bucket is broadcast on its own, in spec order; what SGLang's
   `update_weights_from_distributed(names, dtypes, shapes)` receives (one call per bucket).
 - "flat": a bucket is packed into one buffer per dtype (fewer, larger NCCL calls); for our own
@@ -25,7 +25,7 @@ CUDA_VISIBLE_DEVICES numbering does not fool it):
   that GPU, so colocation needs room for one extra copy of the weights.
 
 Everything here that needs a GPU raises a clear error without one; the planning, name mapping
-and checksums it uses are CPU code in rl360.serve.weight_plan.
+and checksums it uses are CPU code in rl360.serve.weights.plan.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from rl360.serve.weight_plan import NameMap, Spec, checksum_state, plan_buckets
+from rl360.serve.weights.plan import NameMap, Spec, checksum_state, plan_buckets
 
 log = logging.getLogger("rl360.weights.nccl")
 

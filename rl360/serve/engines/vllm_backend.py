@@ -7,7 +7,7 @@
 - EOS handling is ours, not the tokenizer's: `ignore_eos` is set and the request's
   `eos_token_ids` join its stop token ids, so both backends stop on exactly the same ids.
 - Weight updates never restart the engine. The engine core (where the model lives) is
-  another process; RL360's worker extension (rl360.serve.backends.vllm_worker) is mixed into
+  another process; RL360's worker extension (rl360.serve.engines.vllm_worker) is mixed into
   vLLM's worker, and `collective_rpc("rl360_load_weights", state)` hands it the name ->
   tensor dict, which the model's own `load_weights` maps onto vLLM's fused parameters. As in
   the torch backend a sequence never mixes versions: an update closes the gate for new
@@ -29,13 +29,13 @@ import time
 import uuid
 from typing import Any
 
-from rl360.serve.backends.base import EngineConfig, check_prompt
-from rl360.serve.backends.vllm_worker import pack_state
+from rl360.serve.engines.base import EngineConfig, check_prompt
+from rl360.serve.engines.vllm_worker import pack_state
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.vllm")
 
-WORKER_EXTENSION = "rl360.serve.backends.vllm_worker.RL360WeightLoader"
+WORKER_EXTENSION = "rl360.serve.engines.vllm_worker.RL360WeightLoader"
 
 # EngineConfig.options keys that are ours; every other key goes to vLLM's AsyncEngineArgs
 _OWN_OPTIONS = {"kv_cache_gb", "omp_threads_bind"}

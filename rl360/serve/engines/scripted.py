@@ -10,7 +10,7 @@ import asyncio
 import re
 from typing import Any
 
-from rl360.serve.backends.base import EngineConfig
+from rl360.serve.engines.base import EngineConfig
 from rl360.types import Generation, SamplingParams
 
 

@@ -1,5 +1,5 @@
 """The SGLang engine backend: `sglang.Engine` (or an SGLang server over HTTP) behind the
-engine contract (rl360.serve.backends.base.EngineBackend).
+engine contract (rl360.serve.engines.base.EngineBackend).
 
 - Prompts go in as token ids (`input_ids`) with `return_logprob=True`; the generated ids and
   their logprobs come from `meta_info["output_token_logprobs"]` ((logprob, id, text) per
@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from rl360.serve.backends.base import BackendUnavailable, EngineConfig
-from rl360.serve.backends.gate import VersionGate
+from rl360.serve.engines.base import BackendUnavailable, EngineConfig
+from rl360.serve.engines.gate import VersionGate
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.sglang")
@@ -223,7 +223,7 @@ class SGLangBackend:
         return gen
 
     async def update_weights(self, version: int, state: Any) -> bool:
-        from rl360.serve.backends.sglang_client import check_result
+        from rl360.serve.engines.sglang_client import check_result
 
         if hasattr(state, "__await__") and not isinstance(state, dict):
             state = await state  # a Ray ObjectRef
@@ -258,7 +258,7 @@ class SGLangBackend:
                                 group_name: str, backend: str = "nccl") -> None:
         """Have every tensor-parallel worker of this engine join the sender's group (ranks
         rank_offset .. rank_offset + tp - 1). Blocks until the whole group has formed."""
-        from rl360.serve.backends.sglang_client import check_result
+        from rl360.serve.engines.sglang_client import check_result
 
         if group_name in self._groups:
             return
@@ -272,7 +272,7 @@ class SGLangBackend:
         get_weights_by_name (a prefix of each weight: checksum_prefix elements or fewer)."""
         import torch
 
-        from rl360.serve.weight_plan import tensor_checksum
+        from rl360.serve.weights.plan import tensor_checksum
 
         client = await self._ensure_client()
         dtype = getattr(torch, self.config.dtype)
@@ -326,7 +326,7 @@ class SGLangBackend:
         self._starting = self._starting or asyncio.Lock()
         async with self._starting:
             if self._client is None:
-                from rl360.serve.backends import sglang_client as sc
+                from rl360.serve.engines import sglang_client as sc
 
                 try:
                     if self.options.mode == "http":
@@ -348,8 +348,8 @@ class SGLangBackend:
         engine's GPU, then to SGLang's workers by CUDA IPC (CPU tensors would travel as
         shared-memory file descriptors, which the HTTP path cannot carry); the prefix cache is
         flushed once, after the last bucket. At most one bucket of extra GPU memory."""
-        from rl360.serve.backends.sglang_client import check_result
-        from rl360.serve.weight_plan import plan_buckets
+        from rl360.serve.engines.sglang_client import check_result
+        from rl360.serve.weights.plan import plan_buckets
 
         spec = [(k, list(v.shape), str(v.dtype)) for k, v in state.items()]
         buckets = plan_buckets(spec, self.options.bucket_mb)
@@ -367,7 +367,7 @@ class SGLangBackend:
         return [(k, torch.as_tensor(state[k]).to(device)) for k in names]
 
     async def _receive_collective(self, client: Any, update: CollectiveUpdate) -> None:
-        from rl360.serve.backends.sglang_client import check_result
+        from rl360.serve.engines.sglang_client import check_result
 
         if update.join is not None:
             host, port, offset, world, backend = update.join

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 
 from rl360.envs.agent import ChatTurn, InfraError
-from rl360.serve.openai_types import ApiError, ChatCompletionRequest, ChatMessageIn
-from rl360.serve.session_shard import shard_for
+from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, ChatMessageIn
+from rl360.serve.sessions.shard import shard_for
 from rl360.types import FunctionCall, Message, ToolCall, ToolSpec
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl360.launch.recipe import Recipe
+from rl360.recipe import Recipe
 
 if TYPE_CHECKING:
     from rl360.launch.roles import Placement
@@ -84,11 +84,11 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
 
     from rl360.launch.roles import LocalPlacement
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.engine import EngineReplica, ServeEngineClient
-    from rl360.serve.routing import SessionAffinityRouter
-    from rl360.serve.session_server import SessionServer
-    from rl360.serve.session_shard import SessionShard
-    from rl360.serve.weights import WeightPublisher
+    from rl360.serve.engines.replica import EngineReplica, ServeEngineClient
+    from rl360.serve.engines.routing import SessionAffinityRouter
+    from rl360.serve.sessions.http import SessionServer
+    from rl360.serve.sessions.shard import SessionShard
+    from rl360.serve.weights.publisher import WeightPublisher
 
     s, e = recipe.serve, recipe.engine
     ns = recipe.ray.namespace

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import msgspec
 
 from rl360.policies.chat import ChatRenderer
-from rl360.serve.ledger import LedgerError, PreparedTurn, SessionLedger
-from rl360.serve.openai_types import (
+from rl360.serve.sessions.ledger import LedgerError, PreparedTurn, SessionLedger
+from rl360.serve.sessions.openai_types import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

@@ -46,7 +46,7 @@ class WeightPublisher:
         return True
 
     async def publish_collective(self, version: int, payload: dict[str, Any]) -> bool:
-        """Announce a version sent over a collective group (see rl360.serve.transports)."""
+        """Announce a version sent over a collective group (see rl360.serve.weights.transports)."""
         return await self.publish(version, payload)  # type: ignore[arg-type]
 
     async def register(self, replica: str, info: dict[str, Any] | None = None) -> int:
@@ -138,7 +138,7 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     the backend's health (busy time, tokens) every `poll_s` for the run's metrics."""
     import asyncio as aio
 
-    from rl360.serve.collective_replica import replica_info
+    from rl360.serve.weights.collective_replica import replica_info
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None
@@ -149,11 +149,11 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         if version <= have or not payload:
             continue
         if isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
-            from rl360.serve.collective_replica import gpu_state
+            from rl360.serve.weights.collective_replica import gpu_state
 
             state, group = await gpu_state(payload, backend, rank, group)
         elif isinstance(payload, dict):  # collective: join the group once, then receive
-            from rl360.serve.transports import GlooGroup
+            from rl360.serve.weights.transports import GlooGroup
 
             if group is None:
                 group = await aio.to_thread(GlooGroup, payload["host"], payload["port"], rank,
@@ -164,7 +164,7 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         if await backend.update_weights(version, state):
             have = version
             if isinstance(payload, dict) and payload.get("checksum"):
-                from rl360.serve.collective_replica import engine_checksums
+                from rl360.serve.weights.collective_replica import engine_checksums
 
                 sums = await engine_checksums(backend, payload, state)
                 await publisher.report_checksums.remote(replica, version, sums)

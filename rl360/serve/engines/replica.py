@@ -2,7 +2,7 @@
 
 Replicas are reached through a DeploymentHandle with `session_id` set, and the
 SessionAffinityRouter keeps a session on one replica. Weight updates go to every replica
-through `rl360.serve.app.broadcast_weights` (the parameter broadcaster builds on it).
+through `rl360.launch.serve_app.broadcast_weights` (the parameter broadcaster builds on it).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 
 from ray import serve
 
-from rl360.serve.backends import EngineConfig, build_engine_backend
+from rl360.serve.engines import EngineConfig, build_engine_backend
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine")
 
 
 class EngineReplica:
-    """Serve wraps this class with `serve.deployment(...)` in rl360.serve.app."""
+    """Serve wraps this class with `serve.deployment(...)` in rl360.launch.serve_app."""
 
     def __init__(
         self,
@@ -45,7 +45,7 @@ class EngineReplica:
             return
         import ray
 
-        from rl360.serve.weights import follow_weights
+        from rl360.serve.weights.publisher import follow_weights
 
         name, namespace = self._publisher_name
         pub = ray.get_actor(name, namespace=namespace)

@@ -1,6 +1,6 @@
 """Engine backends behind one contract (see base.EngineBackend) and their factory."""
 
-from rl360.serve.backends.base import (
+from rl360.serve.engines.base import (
     BACKENDS,
     EngineBackend,
     EngineConfig,

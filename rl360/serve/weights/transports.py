@@ -1,7 +1,7 @@
 """Weight transports: how a new policy version reaches every engine replica.
 
 Both sit behind `WeightTransport.publish(version)` and both announce the version through the
-WeightPublisher actor, which the replicas long-poll (rl360.serve.weights.follow_weights):
+WeightPublisher actor, which the replicas long-poll (rl360.serve.weights.publisher.follow_weights):
 
 - "object_store": the trainer's rank 0 returns its state dict as a Ray object (put once);
   each replica fetches it from the object store (zero-copy on the same node).
@@ -103,7 +103,7 @@ class ObjectStoreTransport:
 
 class CollectiveTransport:
     """Broadcast from a sender holding the weights to every engine replica: over gloo (CPU), or
-    on GPUs over NCCL / CUDA IPC (rl360.serve.nccl) as `options` (SyncOptions) say.
+    on GPUs over NCCL / CUDA IPC (rl360.serve.weights.nccl) as `options` (SyncOptions) say.
 
     `sender` is anything with `open_group(host, port, world)` and `send_weights()` remote
     methods (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths and the
@@ -112,7 +112,7 @@ class CollectiveTransport:
 
     def __init__(self, serving: Any, sender: Any, replicas: int, host: str = "127.0.0.1",
                  options: Any = None) -> None:
-        from rl360.serve.weight_plan import SyncOptions
+        from rl360.serve.weights.plan import SyncOptions
 
         self.serving, self.sender = serving, sender
         self.replicas, self.host = replicas, host
@@ -157,7 +157,7 @@ class CollectiveTransport:
     def _plan_gpu(self) -> dict[str, Any]:
         import ray
 
-        from rl360.serve.weight_plan import plan_buckets
+        from rl360.serve.weights.plan import plan_buckets
 
         o, pub = self.options, self.serving.publisher
         ray.get(pub.wait_registered.remote(self.replicas, 300.0))
@@ -218,7 +218,7 @@ class CollectiveTransport:
 
         import ray
 
-        from rl360.serve.weight_plan import compare_checksums
+        from rl360.serve.weights.plan import compare_checksums
 
         log = logging.getLogger("rl360.weights")
         pub = self.serving.publisher
@@ -238,7 +238,7 @@ class CollectiveTransport:
 
 def sync_options(train: Any) -> Any:
     """SyncOptions from a recipe's [train] section (weight_sync_* keys)."""
-    from rl360.serve.weight_plan import SyncOptions
+    from rl360.serve.weights.plan import SyncOptions
 
     return SyncOptions(backend=train.weight_sync_backend, bucket_mb=train.weight_bucket_mb,
                        checksum=train.weight_checksum, ipc=train.weight_sync_ipc)

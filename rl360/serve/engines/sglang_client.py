@@ -151,7 +151,7 @@ class HttpClient:
                  launch_timeout_s: float = 600.0) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         if not url:
-            from rl360.serve.transports import free_port
+            from rl360.serve.weights.transports import free_port
 
             kwargs = dict(engine_kwargs or {})
             port = free_port()

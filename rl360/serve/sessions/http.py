@@ -24,14 +24,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from rl360.serve.openai_types import (
+from rl360.serve.sessions.openai_types import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     OpenSessionRequest,
     chat_stream_chunks,
 )
-from rl360.serve.session_shard import shard_for
+from rl360.serve.sessions.shard import shard_for
 
 log = logging.getLogger("rl360.session_server")
 

@@ -1,6 +1,6 @@
 """The engine backend contract (DESIGN.md, "Engine backend") and the backend factory.
 
-Backends are plain Python objects; the Serve deployment in rl360.serve.engine wraps one per
+Backends are plain Python objects; the Serve deployment in rl360.serve.engines.replica wraps one per
 replica. Heavy imports (torch, vllm, sglang) happen inside the backend modules, which the
 factory imports only when that backend is asked for.
 """
@@ -55,10 +55,10 @@ class EngineBackend(Protocol):
 
 # name -> "module:Class"; imported lazily so only the chosen backend's deps are needed
 BACKENDS: dict[str, str] = {
-    "torch": "rl360.serve.backends.torch_backend:TorchBackend",
-    "scripted": "rl360.serve.backends.scripted:ScriptedBackend",
-    "vllm": "rl360.serve.backends.vllm_backend:VLLMBackend",
-    "sglang": "rl360.serve.backends.sglang_backend:SGLangBackend",
+    "torch": "rl360.serve.engines.torch_backend:TorchBackend",
+    "scripted": "rl360.serve.engines.scripted:ScriptedBackend",
+    "vllm": "rl360.serve.engines.vllm_backend:VLLMBackend",
+    "sglang": "rl360.serve.engines.sglang_backend:SGLangBackend",
 }
 
 

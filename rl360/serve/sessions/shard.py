@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 
-from rl360.serve.ledger import LedgerError
-from rl360.serve.openai_types import ApiError, ChatCompletionRequest, CompletionRequest
-from rl360.serve.sessions import EngineClient, SessionConfig, SessionService
+from rl360.serve.sessions.ledger import LedgerError
+from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, CompletionRequest
+from rl360.serve.sessions.service import EngineClient, SessionConfig, SessionService
 
 log = logging.getLogger("rl360.sessions")
 

@@ -172,7 +172,7 @@ class TrainSection(_S):
     tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
     sync_every: PosInt = 1  # publish weights every k steps
     weight_transport: Literal["object_store", "collective"] = "object_store"
-    # the collective transport (rl360.serve.weight_plan.SyncOptions): gloo on CPUs, NCCL on GPUs
+    # the collective transport (rl360.serve.weights.plan.SyncOptions): gloo on CPUs, NCCL on GPUs
     weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
     weight_bucket_mb: Annotated[float, Meta(gt=0.0)] = 512.0
     weight_sync_ipc: Literal["auto", "never"] = "auto"  # CUDA IPC when colocated on one GPU

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from rl360.serve.backends.base import EngineConfig, check_prompt
+from rl360.serve.engines.base import EngineConfig, check_prompt
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.torch")
