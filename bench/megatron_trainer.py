@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from rl360.policies.loading import resolve_model_path
-from rl360.policies.losses import LossConfig
 from rl360.policies.megatron.convert import mcore_to_hf
 from rl360.policies.megatron.trainer import MegatronTrainer
-from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import LossSection, TrainerSection
 from rl360.types import Batch, TrainSample
 
 
@@ -64,8 +64,8 @@ def main() -> None:
     torch.set_num_threads(2)
     path = resolve_model_path(args.model)
     worst_loss, worst_cos = 0.0, 1.0
-    for loss in (LossConfig(name="ppo"), LossConfig(name="gspo", reducer="seq-mean-token-mean")):
-        cfg = TrainerConfig(lr=1e-4, micro_batch_size=8, grad_clip=0.0, loss=loss)
+    for loss in (LossSection(name="ppo"), LossSection(name="gspo", reducer="seq-mean-token-mean")):
+        cfg = TrainerSection(lr=1e-4, micro_batch_size=8, grad_clip=0.0, loss=loss)
         ref, meg = TorchTrainer(cfg, path), MegatronTrainer(cfg, path)
         g_ref = grads_at_step(ref, {id(p): n for n, p in ref.model.named_parameters()})
         g_meg = grads_at_step(meg, {id(p): n for n, p in meg.model.named_parameters()})
@@ -79,7 +79,7 @@ def main() -> None:
             worst_cos = min(worst_cos, float(cos))
     print(f"parity on {args.model}: max |loss diff| {worst_loss:.2e}, "
           f"min grad cosine {worst_cos:.7f}")
-    cfg = TrainerConfig(lr=1e-4, micro_batch_size=8)
+    cfg = TrainerSection(lr=1e-4, micro_batch_size=8)
     times: dict[str, float] = {}
     for name, t in (("torch", TorchTrainer(cfg, path)), ("megatron", MegatronTrainer(cfg, path))):
         spent = []

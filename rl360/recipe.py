@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -110,14 +110,21 @@ class EvalSection(_S):
 
 
 class LossSection(_S):
+    """[trainer.loss]: the policy loss, its clip range, TIS cap, KL and entropy terms, reducer."""
+
     name: Literal["ppo", "gspo", "reinforce"] = "ppo"
-    eps_low: NonNegFloat = 0.2
+    eps_low: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.2
     eps_high: NonNegFloat = 0.28
-    tis_cap: Annotated[float, Meta(ge=1.0)] = 2.0
-    kl_coef: NonNegFloat = 0.0
+    tis_cap: NonNegFloat = 2.0  # 0 turns the TIS weight off (the mismatch is still reported)
+    kl_coef: NonNegFloat = 0.0  # > 0 needs a frozen reference policy (loaded by the trainer)
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: NonNegFloat = 0.0  # entropy bonus: loss -= coef x per-token entropy
     reducer: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    norm_length: PosInt = 1024  # the constant divisor of seq-mean-token-sum-norm
+
+    def __post_init__(self) -> None:
+        if 0 < self.tis_cap < 1:
+            raise ValueError(f"tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
 
 
 class TrainerSection(_S):
@@ -131,7 +138,15 @@ class TrainerSection(_S):
     grad_clip: NonNegFloat = 1.0
     micro_batch_size: PosInt = 16
     micro_batch_tokens: NonNegInt = 8192  # padded tokens per micro-batch; 0 = no cap
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast; weights stay fp32
+    betas: tuple[Annotated[float, Meta(ge=0.0, lt=1.0)], Annotated[float, Meta(ge=0.0, lt=1.0)]] = (
+        0.9, 0.999)
+    adam_eps: Annotated[float, Meta(gt=0.0)] = 1e-8
+    gradient_checkpointing: bool = False
+    threads: NonNegInt = 0  # torch intra-op threads per rank; 0 = one per reserved CPU
+    # pass the padding mask to the model. A causal LM with right padding does not need it
+    # (a real token never attends to a later pad) and runs faster without it.
+    attention_mask: bool = False
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "drgrpo"
     loss: LossSection = msgspec.field(default_factory=LossSection)
     # megatron backend (GPU clusters)
@@ -289,6 +304,18 @@ def decode_recipe(data: dict[str, Any]) -> Recipe:
         return msgspec.convert(data, Recipe)
     except msgspec.ValidationError as exc:
         raise RecipeError(_explain(exc)) from None
+
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+def checked(cls: type[T], **values: Any) -> T:
+    """A section built from keyword values and checked like a recipe's (bounds, choices,
+    unknown keys): `checked(LossSection, name="gspo")`. Plain construction skips the bounds."""
+    try:
+        return msgspec.convert(values, cls)
+    except msgspec.ValidationError as exc:
+        raise RecipeError(f"{cls.__name__}: {exc}") from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

@@ -27,13 +27,11 @@ import msgspec
 import ray
 
 from rl360.policies.reducers import global_denominators
+from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 
 if TYPE_CHECKING:
     from torch import Tensor
-
-    from rl360.policies.megatron.model import ParallelConfig
-    from rl360.policies.trainer_torch import TrainerConfig
 
 log = logging.getLogger("rl360.trainer_group")
 
@@ -72,18 +70,15 @@ class TrainerWorker:
         return host, free_port(host)
 
     def setup(
-        self, config_bytes: bytes, model_path: str, master: tuple[str, int], timeout_s: float,
-        backend: str = "torch", parallel_bytes: bytes | None = None,
+        self, config: TrainerSection, model_path: str, master: tuple[str, int], timeout_s: float,
+        temperature: float, seed: int,
     ) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
 
-        from rl360.policies.megatron.model import ParallelConfig
         from rl360.policies.trainer_backends import build_trainer
-        from rl360.policies.trainer_torch import TrainerConfig
 
         torch.set_num_threads(self.threads)
-        config = msgspec.msgpack.decode(config_bytes, type=TrainerConfig)
         if self.world_size > 1:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
             if master[0] == "127.0.0.1":
@@ -92,9 +87,7 @@ class TrainerWorker:
                 "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
             )
-        parallel = (msgspec.msgpack.decode(parallel_bytes, type=ParallelConfig)
-                    if parallel_bytes else None)
-        self.trainer = build_trainer(backend, config, model_path, parallel)
+        self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed)
         n = sum(p.numel() for p in self.trainer.params)
         # where this rank sits: ranks of one data-parallel replica (tensor-parallel peers) get
         # the same samples; a backend without model parallelism is one replica per rank
@@ -173,27 +166,24 @@ class TrainerGroup:
 
     def __init__(
         self,
-        config: TrainerConfig,
+        config: TrainerSection,
         model_path: str | Path,
-        workers: int = 1,
         *,
-        num_cpus: float = 1.0,
-        num_gpus: float = 0.0,
-        threads: int = 0,
+        temperature: float = 1.0,
+        seed: int = 0,
         name_prefix: str = "rl360-trainer",
         timeout_s: float = 600.0,
         rank_options: Callable[[int], dict[str, Any]] | None = None,
-        backend: str = "torch",
-        parallel: ParallelConfig | None = None,
     ) -> None:
-        """`rank_options(rank)`: the Ray options of that rank's actor (resources, placement
-        group bundle: launch.roles.Placement.trainer_options); default num_cpus/num_gpus."""
-        if workers < 1:
-            raise ValueError(f"trainer group needs workers >= 1, got {workers}")
+        """`config.workers` ranks of `config.backend`, each with `config.num_cpus/num_gpus`
+        unless `rank_options(rank)` gives that rank's Ray options (resources, placement group
+        bundle: launch.roles.Placement.trainer_options). `temperature` is the engines' sampling
+        temperature, `seed` the run's."""
+        workers, num_cpus, num_gpus = config.workers, config.num_cpus, config.num_gpus
         self.world_size = workers
         self.timeout_s = timeout_s
         self.names = [f"{name_prefix}-{r}" for r in range(workers)]
-        threads = threads or getattr(config, "threads", 0) or max(1, int(num_cpus))
+        threads = config.threads or max(1, int(num_cpus))
         cls = ray.remote(TrainerWorker)
         if rank_options is None:
             def rank_options(rank: int) -> dict[str, Any]:
@@ -205,17 +195,15 @@ class TrainerGroup:
         ]
         try:
             master = self._get(self.workers[0].address.remote(), "address")
-            cfg = msgspec.msgpack.encode(config)
-            par = msgspec.msgpack.encode(parallel) if parallel is not None else None
             self.info = self._get(
-                [w.setup.remote(cfg, str(model_path), master, timeout_s, backend, par)
+                [w.setup.remote(config, str(model_path), master, timeout_s, temperature, seed)
                  for w in self.workers],
                 "setup",
             )
         except BaseException:
             self._kill()
             raise
-        log.info("trainer group up: %d %s worker(s) %s", workers, backend, self.names)
+        log.info("trainer group up: %d %s worker(s) %s", workers, config.backend, self.names)
 
     # ------------------------------------------------------------------ stepping
 

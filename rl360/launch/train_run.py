@@ -31,29 +31,6 @@ if TYPE_CHECKING:
 CKPT_META = "rl360_checkpoint.json"
 
 
-def trainer_config(recipe: Recipe) -> Any:
-    from rl360.policies.losses import LossConfig
-    from rl360.policies.trainer_torch import TrainerConfig
-
-    t = recipe.trainer
-    return TrainerConfig(
-        lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        micro_batch_size=t.micro_batch_size, micro_batch_tokens=t.micro_batch_tokens,
-        dtype=t.dtype,
-        temperature=recipe.train.sampling.temperature or 1.0,
-        loss=msgspec.convert(msgspec.to_builtins(t.loss), LossConfig), seed=recipe.run.seed,
-    )
-
-
-def trainer_parallel(recipe: Recipe) -> Any:
-    """The recipe's model-parallel sizes (used by the megatron backend)."""
-    from rl360.policies.megatron.model import ParallelConfig
-
-    t = recipe.trainer
-    return ParallelConfig(tensor=t.tensor_parallel, pipeline=t.pipeline_parallel,
-                          context=t.context_parallel, expert=t.expert_parallel)
-
-
 def latest_checkpoint(run_dir: Path) -> Path | None:
     done = sorted(p.parent for p in (run_dir / "checkpoints").glob(f"step_*/{CKPT_META}"))
     return done[-1] if done else None
@@ -89,10 +66,8 @@ def start_train_actors(recipe: Recipe, stack: Stack, model_path: Any) -> TrainAc
     tr, t, placement = recipe.train, recipe.trainer, stack.placement
     if stack.pool is None:
         raise ValueError("start_train_actors needs a stack with env actors")
-    trainer = TrainerGroup(trainer_config(recipe), model_path, t.workers, num_cpus=t.num_cpus,
-                           num_gpus=t.num_gpus,
-                           backend=t.backend, parallel=trainer_parallel(recipe),
-                           rank_options=placement.trainer_options)
+    trainer = TrainerGroup(t, model_path, temperature=tr.sampling.temperature or 1.0,
+                           seed=recipe.run.seed, rank_options=placement.trainer_options)
     service = placement.service_options()
     buffer = ray.remote(TrajectoryBuffer).options(
         name="rl360-trajectory-buffer", **service).remote({

@@ -23,41 +23,12 @@ import msgspec
 import torch
 from torch import Tensor
 
+from rl360.recipe import LossSection, checked
+
 Metrics = dict[str, Tensor]
 BaseLoss = Callable[..., tuple[Tensor, Metrics]]
 
 _MAX_LOG_RATIO = 20.0  # exp() guard; a log-ratio this large is clipped away anyway
-
-
-class LossConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Mirrors the recipe's [trainer.loss] section (plus norm_length)."""
-
-    name: Literal["ppo", "gspo", "reinforce"] = "ppo"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    tis_cap: float = 2.0  # 0 turns the TIS weight off (the mismatch is still reported)
-    kl_coef: float = 0.0  # > 0 needs ref_logprobs (a frozen reference policy)
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    # > 0: subtract coef x the policy's per-token entropy from the loss (an exploration bonus)
-    entropy_coef: float = 0.0
-    reducer: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    norm_length: int = 1024  # the constant divisor of seq-mean-token-sum-norm
-
-    def __post_init__(self) -> None:
-        if self.name not in POLICY_LOSSES:
-            raise ValueError(f"loss.name {self.name!r} not in {sorted(POLICY_LOSSES)}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator {self.kl_estimator!r} not in {sorted(KL_ESTIMATORS)}")
-        if self.eps_low < 0 or self.eps_high < 0 or self.eps_low >= 1:
-            raise ValueError(f"loss clip bounds need 0 <= eps_low < 1 and eps_high >= 0, got "
-                             f"{self.eps_low}, {self.eps_high}")
-        if self.tis_cap != 0 and self.tis_cap < 1:
-            raise ValueError(f"loss.tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"loss.kl_coef and loss.entropy_coef must be >= 0, got "
-                             f"{self.kl_coef}, {self.entropy_coef}")
-        if self.norm_length <= 0:
-            raise ValueError(f"loss.norm_length must be > 0, got {self.norm_length}")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -216,7 +187,7 @@ POLICY_LOSSES: dict[str, BaseLoss] = {
 class PolicyLoss:
     """The configured loss: base loss x TIS weight (+ kl_coef x KL to a reference)."""
 
-    def __init__(self, config: LossConfig) -> None:
+    def __init__(self, config: LossSection) -> None:
         self.config = config
         self.base = POLICY_LOSSES[config.name]
         self.kl = KL_ESTIMATORS[config.kl_estimator]
@@ -264,10 +235,10 @@ class PolicyLoss:
         return loss, metrics
 
 
-def build_policy_loss(config: LossConfig | None = None, **overrides: object) -> PolicyLoss:
-    """`build_policy_loss(LossConfig(name="gspo"))` or `build_policy_loss(name="gspo")`."""
-    config = config or LossConfig()
+def build_policy_loss(config: LossSection | None = None, **overrides: object) -> PolicyLoss:
+    """`build_policy_loss(LossSection(name="gspo"))` or `build_policy_loss(name="gspo")`;
+    overrides are checked against the section's bounds like a recipe's values."""
+    config = config or LossSection()
     if overrides:
-        config = msgspec.structs.replace(config, **overrides)
-        config.__post_init__()
+        config = checked(LossSection, **{**msgspec.to_builtins(config), **overrides})
     return PolicyLoss(config)

@@ -1,8 +1,8 @@
-"""Trainer backends by name: `build_trainer(backend, config, model_path, parallel)`.
+"""Trainer backends by name: `build_trainer(config, model_path, temperature=, seed=)`.
 
 Every backend implements the `Trainer` protocol of `TorchTrainer` (the contract); the recipe's
-`trainer.backend` picks one. The megatron backend needs megatron-core (the `megatron` extra) and
-is imported only when chosen.
+`trainer.backend` picks one from `TRAINER_BACKENDS`. The megatron backend needs megatron-core
+(the `megatron` extra) and is imported only when chosen.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from rl360.policies.megatron.model import ParallelConfig
-from rl360.policies.trainer_torch import TrainerConfig
+from rl360.recipe import TrainerSection
 from rl360.types import Batch
 
 
@@ -32,16 +31,19 @@ class Trainer(Protocol):
     def load(self, in_dir: str | Path) -> None: ...
 
 
-TrainerFactory = Callable[[TrainerConfig, "str | Path", ParallelConfig], Trainer]
+TrainerFactory = Callable[..., Trainer]
 
 
-def _torch(config: TrainerConfig, model_path: str | Path, parallel: ParallelConfig) -> Trainer:
+def _torch(config: TrainerSection, model_path: str | Path, *, temperature: float,
+           seed: int) -> Trainer:
     from rl360.policies.trainer_torch import TorchTrainer
 
-    return TorchTrainer(config, model_path)  # data parallel only; placement warns on TP/PP
+    # data parallel only: the support checks refuse tensor/pipeline parallel sizes for it
+    return TorchTrainer(config, model_path, temperature=temperature, seed=seed)
 
 
-def _megatron(config: TrainerConfig, model_path: str | Path, parallel: ParallelConfig) -> Trainer:
+def _megatron(config: TrainerSection, model_path: str | Path, *, temperature: float,
+              seed: int) -> Trainer:
     try:
         import megatron.core  # noqa: F401
 
@@ -50,15 +52,16 @@ def _megatron(config: TrainerConfig, model_path: str | Path, parallel: ParallelC
         raise ImportError("trainer.backend='megatron' needs megatron-core: "
                           "pip install --no-deps 'megatron-core==0.16.0' "
                           f"(or `make test-megatron`); import failed: {exc}") from exc
-    return MegatronTrainer(config, model_path, parallel)
+    return MegatronTrainer(config, model_path, temperature=temperature, seed=seed)
 
 
 TRAINER_BACKENDS: dict[str, TrainerFactory] = {"torch": _torch, "megatron": _megatron}
 
 
-def build_trainer(backend: str, config: TrainerConfig, model_path: str | Path,
-                  parallel: ParallelConfig | None = None) -> Trainer:
-    factory = TRAINER_BACKENDS.get(backend)
+def build_trainer(config: TrainerSection, model_path: str | Path, *, temperature: float = 1.0,
+                  seed: int = 0) -> Trainer:
+    """The trainer of `config.backend` (the recipe's [trainer] section)."""
+    factory = TRAINER_BACKENDS.get(config.backend)
     if factory is None:
-        raise ValueError(f"trainer backend {backend!r} not in {sorted(TRAINER_BACKENDS)}")
-    return factory(config, model_path, parallel or ParallelConfig())
+        raise ValueError(f"trainer backend {config.backend!r} not in {sorted(TRAINER_BACKENDS)}")
+    return factory(config, model_path, temperature=temperature, seed=seed)

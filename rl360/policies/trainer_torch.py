@@ -21,51 +21,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rl360.policies.losses import LossConfig, PolicyLoss, build_policy_loss, entropy_from_logits
+from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
+from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 
 STATE_FILE = "trainer_state.pt"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 _NOT_COPIED = {"config.json", "generation_config.json", STATE_FILE}
 _BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
-
-
-class TrainerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still reported)
-    warmup_steps: int = 0  # linear lr warm-up, then constant
-    micro_batch_size: int = 16  # sequences per forward/backward
-    micro_batch_tokens: int = 0  # also cap padded tokens per micro-batch (0: no cap)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast; weights stay fp32
-    temperature: float = 1.0  # logits / temperature, as the engines sampled
-    loss: LossConfig = msgspec.field(default_factory=LossConfig)
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    # pass the padding mask to the model. A causal LM with right padding does not need it
-    # (a real token never attends to a later pad) and runs faster without it.
-    attention_mask: bool = False
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.micro_batch_size < 1 or self.temperature <= 0:
-            raise ValueError(f"trainer config needs lr > 0, micro_batch_size >= 1 and "
-                             f"temperature > 0, got {self.lr}, {self.micro_batch_size}, "
-                             f"{self.temperature}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"trainer dtype {self.dtype!r} not in ['bfloat16', 'float32']")
-        if self.grad_clip < 0 or self.weight_decay < 0 or self.warmup_steps < 0:
-            raise ValueError("trainer grad_clip, weight_decay and warmup_steps must be >= 0")
 
 
 @dataclass
@@ -127,15 +98,13 @@ def _validate(samples: list[TrainSample], vocab: int) -> None:
 
 
 class TorchTrainer:
-    def __init__(self, config: TrainerConfig, model_path: str | Path) -> None:
+    def __init__(self, config: TrainerSection, model_path: str | Path, *,
+                 temperature: float = 1.0, seed: int = 0) -> None:
+        """`temperature`: the engines' sampling temperature (logits are divided by it, as the
+        engines sampled); `seed`: the run's seed."""
         from transformers import AutoModelForCausalLM
 
-        self.config = config
-        self.model_path = Path(model_path)
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
+        self._init_common(config, model_path, temperature, seed)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         # tokenizer / template files, read now: the directory we loaded from may be an older
         # checkpoint that checkpoint rotation deletes before our next save
@@ -173,7 +142,22 @@ class TorchTrainer:
         Backends with model parallelism override this."""
         return None
 
-    def _setup_optimization(self, config: TrainerConfig) -> None:
+    def _init_common(self, config: TrainerSection, model_path: str | Path, temperature: float,
+                     seed: int) -> None:
+        """Config, threads and seeds: the start of every backend built on this class."""
+        if temperature <= 0:
+            raise ValueError(f"trainer temperature must be > 0 (the sampling temperature), "
+                             f"got {temperature}")
+        self.config = config
+        self.temperature = temperature
+        self.seed = seed
+        self.model_path = Path(model_path)
+        if config.threads > 0:
+            torch.set_num_threads(config.threads)
+        torch.manual_seed(seed)
+        random.seed(seed)
+
+    def _setup_optimization(self, config: TrainerSection) -> None:
         """AdamW over the trainable parameters with linear warm-up, the policy loss and the
         reducer (shared by every trainer backend built on this class)."""
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -288,7 +272,7 @@ class TorchTrainer:
         with self._autocast():
             attn = mb.attn if self.config.attention_mask else None
             out = model(input_ids=mb.ids, attention_mask=attn, use_cache=False)
-        return out.logits[:, :-1].float() / self.config.temperature
+        return out.logits[:, :-1].float() / self.temperature
 
     @staticmethod
     def _target_logprobs(logits: Tensor, ids: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl360.policies.megatron.convert import hf_to_mcore, mcore_to_hf, shape_from_hf
+from rl360.recipe import TrainerSection
 from tests.megatron.conftest import MEGATRON_MISSING, hf_config, hf_model
 
 CASES = [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)]
@@ -84,10 +85,10 @@ def test_megatron_gpt_matches_hf_logits_and_reads_back_exactly(family: str, tied
         mcore_state,
     )
 
-    init_parallel(ParallelConfig(), seed=0)
+    init_parallel(ParallelConfig.of(TrainerSection()), seed=0)
     model = hf_model(family, tied=tied, seed=3)
     s = shape_from_hf(model.config)
-    gpt = build_gpt(s, ParallelConfig())
+    gpt = build_gpt(s, ParallelConfig.of(TrainerSection()))
     load_hf_into(gpt, model.state_dict(), s)
     gpt.train(False)
     back = mcore_to_hf(mcore_state(gpt), s)

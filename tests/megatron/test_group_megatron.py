@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from rl360.actors.trainer_group import TrainerGroup
-from rl360.policies.losses import LossConfig
-from rl360.policies.trainer_torch import TrainerConfig
+from rl360.recipe import LossSection, TrainerSection
 from rl360.types import Batch
 from tests.megatron.conftest import MEGATRON_MISSING, samples
 
@@ -28,13 +28,11 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.mark.parametrize("tensor_parallel", [1, 2], ids=["dp2", "tp2"])
 def test_two_megatron_workers_step_like_one(ray_cluster, tiny_dir: Path,  # type: ignore[no-untyped-def]
                                             tmp_path: Path, tensor_parallel: int) -> None:
-    from rl360.policies.megatron.model import ParallelConfig
-
     # grad_clip 0.5 < the grad norm: clipping must use the norm over all TP slices
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.5, loss=LossConfig(name="ppo"))
+    cfg = TrainerSection(lr=1e-3, micro_batch_size=3, grad_clip=0.5, loss=LossSection(name="ppo"))
     one = MegatronTrainer(cfg, tiny_dir)
-    group = TrainerGroup(cfg, tiny_dir, 2, num_cpus=0, backend="megatron",
-                         parallel=ParallelConfig(tensor=tensor_parallel))
+    group = TrainerGroup(msgspec.structs.replace(cfg, workers=2, num_cpus=0, backend="megatron",
+                                                 tensor_parallel=tensor_parallel), tiny_dir)
     try:
         b0, b1 = (Batch(samples=samples(9, seed=s, max_len=40), step=s) for s in (11, 12))
         m1, m2 = one.train_step(b0), group.train_step(b0)

@@ -7,12 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
-from rl360.policies.losses import LossConfig
 from rl360.policies.megatron.convert import mcore_to_hf
-from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import LossSection, TrainerSection
 from rl360.types import Batch
 from tests.megatron.conftest import MEGATRON_MISSING, samples
 
@@ -50,19 +51,19 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 LOSSES = [
-    LossConfig(name="ppo", reducer="token-mean"),
-    LossConfig(name="gspo", reducer="seq-mean-token-mean"),
-    LossConfig(name="reinforce", reducer="seq-mean-token-sum-norm", norm_length=32, kl_coef=0.1),
+    LossSection(name="ppo", reducer="token-mean"),
+    LossSection(name="gspo", reducer="seq-mean-token-mean"),
+    LossSection(name="reinforce", reducer="seq-mean-token-sum-norm", norm_length=32, kl_coef=0.1),
 ]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda c: f"{c.name}-{c.reducer}")
 def test_loss_and_gradients_match_the_torch_backend(
-    family: str, loss: LossConfig, tiny_dir: Path, qwen2_dir: Path
+    family: str, loss: LossSection, tiny_dir: Path, qwen2_dir: Path
 ) -> None:
     path = tiny_dir if family == "llama" else qwen2_dir
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.0, loss=loss)
+    cfg = TrainerSection(lr=1e-3, micro_batch_size=3, grad_clip=0.0, loss=loss)
     batch = Batch(samples=samples(8, seed=5, max_len=30))
     ref = TorchTrainer(cfg, path)
     meg = MegatronTrainer(cfg, path)
@@ -86,8 +87,8 @@ def test_micro_batch_size_does_not_change_the_loss(tiny_dir: Path) -> None:
     batch = Batch(samples=samples(7, seed=2, max_len=40))
     losses = []
     for micro in (16, 2):
-        cfg = TrainerConfig(lr=1e-3, micro_batch_size=micro,
-                            loss=LossConfig(name="ppo", reducer="token-mean"))
+        cfg = TrainerSection(lr=1e-3, micro_batch_size=micro,
+                            loss=LossSection(name="ppo", reducer="token-mean"))
         losses.append(MegatronTrainer(cfg, tiny_dir).train_step(batch)["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
 
@@ -95,8 +96,8 @@ def test_micro_batch_size_does_not_change_the_loss(tiny_dir: Path) -> None:
 def test_sync_weights_checkpoint_and_resume(tiny_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4)
-    t = build_trainer("megatron", cfg, tiny_dir)
+    cfg = TrainerSection(lr=1e-3, micro_batch_size=4)
+    t = build_trainer(msgspec.structs.replace(cfg, backend="megatron"), tiny_dir)
     assert isinstance(t, MegatronTrainer)
     before = t.state_dict_for_sync()
     torch_keys = set(TorchTrainer(cfg, tiny_dir).state_dict_for_sync())
@@ -123,12 +124,10 @@ def test_sync_weights_checkpoint_and_resume(tiny_dir: Path, tmp_path: Path) -> N
 
 
 def test_model_parallel_and_bad_backend_are_refused_by_name(tiny_dir: Path) -> None:
-    from rl360.policies.megatron.model import ParallelConfig
-
-    cfg = TrainerConfig()
+    cfg = TrainerSection(backend="megatron")
     with pytest.raises(NotImplementedError, match="pipeline/context/expert parallelism"):
-        build_trainer("megatron", cfg, tiny_dir, ParallelConfig(pipeline=2))
+        build_trainer(msgspec.structs.replace(cfg, pipeline_parallel=2), tiny_dir)
     with pytest.raises(ValueError, match="not a multiple of the model-parallel size 2"):
-        build_trainer("megatron", cfg, tiny_dir, ParallelConfig(tensor=2))  # one process
+        build_trainer(msgspec.structs.replace(cfg, tensor_parallel=2), tiny_dir)  # one process
     with pytest.raises(ValueError, match="trainer backend 'jax'"):
-        build_trainer("jax", cfg, tiny_dir)
+        build_trainer(msgspec.structs.replace(cfg, backend="jax"), tiny_dir)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from rl360.policies.losses import (
-    LossConfig,
     build_policy_loss,
     entropy_from_logits,
     gspo_loss,
@@ -18,6 +17,7 @@ from rl360.policies.losses import (
     reinforce_loss,
     tis_weights,
 )
+from rl360.recipe import LossSection, checked
 
 
 def _leaf(x: list[list[float]]) -> torch.Tensor:
@@ -111,7 +111,7 @@ def test_composed_loss_weights_the_gradient_by_tis() -> None:
     logp = _leaf([[-1.0, -1.0, -1.0]])
     samp = torch.tensor([[-1.0, -1.2, -3.0]])
     mask = torch.ones(1, 3)
-    loss_fn = build_policy_loss(LossConfig(name="ppo", tis_cap=2.0))
+    loss_fn = build_policy_loss(LossSection(name="ppo", tis_cap=2.0))
     loss, m = loss_fn(logp, None, samp, torch.tensor([1.0]), mask)
     loss.sum().backward()
     assert logp.grad[0].tolist() == pytest.approx([-1.0, -math.exp(0.2), -2.0])
@@ -155,9 +155,9 @@ def test_entropy_from_logits() -> None:
 
 
 def test_loss_config_rejects_bad_values() -> None:
-    with pytest.raises(ValueError, match=r"loss\.name 'dpo'"):
-        LossConfig(name="dpo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"\$\.name"):
+        checked(LossSection, name="dpo")
     with pytest.raises(ValueError, match="tis_cap"):
-        LossConfig(tis_cap=0.5)
+        checked(LossSection, tis_cap=0.5)
     with pytest.raises(ValueError, match="kl_estimator"):
         build_policy_loss(kl_estimator="k2")

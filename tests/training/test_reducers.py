@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl360.policies.losses import LossConfig, build_policy_loss
+from rl360.policies.losses import LossSection, build_policy_loss
 from rl360.policies.reducers import REDUCERS, build_reducer, global_denominators
 from rl360.types import TrainSample
 
 V = 256  # bigram "model": logits of the next token = P[current token]
 CASES = [
-    LossConfig(name="ppo", reducer="token-mean"),
-    LossConfig(name="ppo", reducer="seq-mean-token-mean", kl_coef=0.05),
-    LossConfig(name="gspo", reducer="seq-mean-token-mean", eps_low=0.05, eps_high=0.06),
-    LossConfig(name="reinforce", reducer="seq-mean-token-sum-norm", norm_length=32),
-    LossConfig(name="ppo", reducer="seq-mean-token-sum-norm", kl_coef=0.1, kl_estimator="k1"),
+    LossSection(name="ppo", reducer="token-mean"),
+    LossSection(name="ppo", reducer="seq-mean-token-mean", kl_coef=0.05),
+    LossSection(name="gspo", reducer="seq-mean-token-mean", eps_low=0.05, eps_high=0.06),
+    LossSection(name="reinforce", reducer="seq-mean-token-sum-norm", norm_length=32),
+    LossSection(name="ppo", reducer="seq-mean-token-sum-norm", kl_coef=0.1, kl_estimator="k1"),
 ]
 
 
@@ -39,7 +39,7 @@ def _logprobs(p: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def shard_loss_and_grad(
-    cfg: LossConfig, samples: list[TrainSample], micro: int, gt: int, gs: int, seed: int = 0
+    cfg: LossSection, samples: list[TrainSample], micro: int, gt: int, gs: int, seed: int = 0
 ) -> tuple[float, torch.Tensor]:
     """Sum of the reduced loss over micro-batches of `micro` sequences, and dLoss/dP."""
     p0, old_p, ref_p = _params(seed)
@@ -74,7 +74,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.name}-{c.reducer}-kl{c.kl_coef}")
-def test_loss_and_grad_do_not_depend_on_the_split(cfg: LossConfig, make_samples) -> None:  # type: ignore[no-untyped-def]
+def test_loss_and_grad_do_not_depend_on_the_split(cfg: LossSection, make_samples) -> None:  # type: ignore[no-untyped-def]
     samples = make_samples(8, seed=1, min_len=4, max_len=30, noise=0.3)
     gt, gs = global_denominators(s.mask for s in samples)
     loss1, grad1 = shard_loss_and_grad(cfg, samples, 8, gt, gs)

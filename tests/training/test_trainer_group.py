@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from rl360.actors.trainer_group import TrainerGroup, split_by_tokens
-from rl360.policies.losses import LossConfig
-from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import LossSection, TrainerSection
 from rl360.types import Batch, TrainSample
 
 
@@ -34,9 +35,9 @@ async def test_two_workers_step_like_one(ray_cluster, tiny_dir: Path, make_sampl
                                          tmp_path: Path) -> None:
     import ray
 
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=3, loss=LossConfig(name="ppo", tis_cap=2.0))
+    cfg = TrainerSection(lr=1e-3, micro_batch_size=3, loss=LossSection(name="ppo", tis_cap=2.0))
     one = TorchTrainer(cfg, tiny_dir)  # W=1: exactly what a lone worker runs
-    group = TrainerGroup(cfg, tiny_dir, 2, num_cpus=0)
+    group = TrainerGroup(msgspec.structs.replace(cfg, workers=2, num_cpus=0), tiny_dir)
     try:
         assert ray.get_actor("rl360-trainer-1") is not None
         b0, b1 = (Batch(samples=make_samples(9, seed=s, max_len=40, noise=0.3), step=s)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rl360.policies.advantages import build_advantage
-from rl360.policies.losses import LossConfig
-from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import LossSection, TrainerSection, checked
 from rl360.types import Batch, TrainSample
 
 
@@ -49,8 +49,8 @@ def test_micro_batch_size_does_not_change_the_step(tiny_dir: Path, make_samples)
     batch = Batch(samples=make_samples(10, seed=3, max_len=40, noise=0.3))
     results = []
     for micro in (16, 3):
-        cfg = TrainerConfig(lr=1e-3, micro_batch_size=micro,
-                            loss=LossConfig(name="ppo", reducer="seq-mean-token-mean"))
+        cfg = TrainerSection(lr=1e-3, micro_batch_size=micro,
+                            loss=LossSection(name="ppo", reducer="seq-mean-token-mean"))
         t = TorchTrainer(cfg, tiny_dir)
         m = t.train_step(batch)
         results.append((m, weights(t)))
@@ -68,8 +68,8 @@ def test_reinforce_raises_the_logprob_of_the_rewarded_sequence(tiny_dir: Path) -
     seqs = [good, bad, good, bad]
     rewards = [float(42 in s) for s in seqs]
     adv = build_advantage("reinforce", baseline=0.5)(rewards)
-    cfg = TrainerConfig(lr=2e-2, grad_clip=1.0,
-                        loss=LossConfig(name="reinforce", reducer="token-mean"))
+    cfg = TrainerSection(lr=2e-2, grad_clip=1.0,
+                        loss=LossSection(name="reinforce", reducer="token-mean"))
     t = TorchTrainer(cfg, tiny_dir)
     mask = [0] * len(prompt) + [1] * 5
     samples = [TrainSample(tokens=s, mask=mask, sampling_logprobs=[0.0] * len(s), advantage=a)
@@ -83,7 +83,7 @@ def test_reinforce_raises_the_logprob_of_the_rewarded_sequence(tiny_dir: Path) -
 
 
 def test_old_is_current_and_mismatch_is_measured(tiny_dir: Path, make_samples) -> None:  # type: ignore[no-untyped-def]
-    t = TorchTrainer(TrainerConfig(lr=1e-4, loss=LossConfig(tis_cap=2.0)), tiny_dir)
+    t = TorchTrainer(TrainerSection(lr=1e-4, loss=LossSection(tis_cap=2.0)), tiny_dir)
     samples = make_samples(6, seed=4)
     m = t.train_step(exact_sampling(t, samples))
     assert m["ratio_mean"] == pytest.approx(1.0) and m["clip_frac"] == 0.0
@@ -99,8 +99,8 @@ def test_old_is_current_and_mismatch_is_measured(tiny_dir: Path, make_samples) -
 
 
 def test_kl_to_reference_in_bf16(tiny_dir: Path, make_samples) -> None:  # type: ignore[no-untyped-def]
-    cfg = TrainerConfig(lr=1e-2, dtype="bfloat16",
-                        loss=LossConfig(kl_coef=0.1, kl_estimator="k3"))
+    cfg = TrainerSection(lr=1e-2, dtype="bfloat16",
+                        loss=LossSection(kl_coef=0.1, kl_estimator="k3"))
     t = TorchTrainer(cfg, tiny_dir)
     batch = Batch(samples=make_samples(4, seed=5), policy_version=3)
     m1 = t.train_step(batch)
@@ -114,7 +114,7 @@ def test_kl_to_reference_in_bf16(tiny_dir: Path, make_samples) -> None:  # type:
 def test_state_dict_for_sync_loads_into_a_fresh_model(tiny_dir: Path, make_samples) -> None:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    t = TorchTrainer(TrainerConfig(lr=1e-2), tiny_dir)
+    t = TorchTrainer(TrainerSection(lr=1e-2), tiny_dir)
     t.train_step(Batch(samples=make_samples(4, seed=6)))
     sd = t.state_dict_for_sync()
     assert all(v.device.type == "cpu" and v.is_contiguous() and not v.requires_grad
@@ -131,7 +131,7 @@ def test_save_load_restores_weights_optimizer_and_step(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = TrainerConfig(lr=1e-2, warmup_steps=3)
+    cfg = TrainerSection(lr=1e-2, warmup_steps=3)
     a = TorchTrainer(cfg, tiny_dir)
     a.train_step(Batch(samples=make_samples(4, seed=8)))
     a.save(tmp_path / "ckpt")
@@ -150,7 +150,7 @@ def test_save_load_restores_weights_optimizer_and_step(
 
 
 def test_bad_batches_fail_clearly_and_empty_ones_skip(tiny_dir: Path) -> None:
-    t = TorchTrainer(TrainerConfig(), tiny_dir)
+    t = TorchTrainer(TrainerSection(), tiny_dir)
     ok = dict(tokens=[1, 2, 3], mask=[0, 1, 1], sampling_logprobs=[0.0, -1.0, -1.0], advantage=1.0)
     with pytest.raises(ValueError, match=r"sample 0: mask\[0\] is 1"):
         t.train_step(Batch(samples=[TrainSample(**{**ok, "mask": [1, 1, 1]})]))
@@ -167,7 +167,8 @@ def test_token_budget_micro_batches_change_nothing_but_the_packing(tiny_dir) -> 
     the same step as fixed-size micro-batches: the reducer's denominators are global."""
     import random
 
-    from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+    from rl360.policies.trainer_torch import TorchTrainer
+    from rl360.recipe import TrainerSection
     from rl360.types import Batch, TrainSample
 
     rng = random.Random(0)
@@ -178,11 +179,11 @@ def test_token_budget_micro_batches_change_nothing_but_the_packing(tiny_dir) -> 
                                    mask=[0] * 5 + [1] * (n - 5),
                                    sampling_logprobs=[0.0] * 5 + [-1.0] * (n - 5),
                                    advantage=1.0 if i % 2 else -1.0))
-    capped = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8, micro_batch_tokens=256), tiny_dir)
+    capped = TorchTrainer(TrainerSection(lr=1e-3, micro_batch_size=8, micro_batch_tokens=256), tiny_dir)
     chunks = list(capped._chunks(samples))
     assert sum(len(c) for c in chunks) == 12
     assert all(len(c) * len(c[0].tokens) <= 256 or len(c) == 1 for c in chunks)
-    plain = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), tiny_dir)
+    plain = TorchTrainer(TrainerSection(lr=1e-3, micro_batch_size=8), tiny_dir)
     a = capped.train_step(Batch(samples=samples))
     b = plain.train_step(Batch(samples=samples))
     assert abs(a["loss"] - b["loss"]) <= 1e-5 * max(1.0, abs(b["loss"]))
@@ -200,7 +201,7 @@ def test_zero_advantage_samples_skip_compute_but_not_the_denominators(  # type: 
     for s in samples[::3]:
         s.advantage = 0.0
     batch = Batch(samples=samples)
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, loss=LossConfig(name="ppo"))
+    cfg = TrainerSection(lr=1e-3, micro_batch_size=4, loss=LossSection(name="ppo"))
     skipping = TorchTrainer(cfg, tiny_dir)
     m1 = skipping.train_step(batch)
     full = TorchTrainer(cfg, tiny_dir)
@@ -212,7 +213,7 @@ def test_zero_advantage_samples_skip_compute_but_not_the_denominators(  # type: 
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
     assert max_diff(weights(skipping), weights(full)) < 1e-6
     # with a KL term a zero-advantage sample still has a gradient: nothing is skipped
-    kl = TorchTrainer(TrainerConfig(lr=1e-3, loss=LossConfig(name="ppo", kl_coef=0.1)), tiny_dir)
+    kl = TorchTrainer(TrainerSection(lr=1e-3, loss=LossSection(name="ppo", kl_coef=0.1)), tiny_dir)
     assert len(kl._samples_with_gradient(samples)) == len(samples)
 
 
@@ -223,15 +224,15 @@ def test_entropy_bonus_raises_entropy_and_trains_every_sample(tiny_dir: Path, ma
     for s in samples:
         s.advantage = 0.0
     batch = Batch(samples=samples)
-    plain = TorchTrainer(TrainerConfig(lr=1e-2, loss=LossConfig(name="ppo")), tiny_dir)
+    plain = TorchTrainer(TrainerSection(lr=1e-2, loss=LossSection(name="ppo")), tiny_dir)
     before = weights(plain)
     assert plain.train_step(batch)["zero_adv_skipped"] == 8
     assert max_diff(before, weights(plain)) == 0.0
-    bonus = TorchTrainer(TrainerConfig(lr=1e-2, loss=LossConfig(name="ppo", entropy_coef=1.0)),
+    bonus = TorchTrainer(TrainerSection(lr=1e-2, loss=LossSection(name="ppo", entropy_coef=1.0)),
                          tiny_dir)
     first = bonus.train_step(batch)
     second = bonus.train_step(batch)
     assert first["zero_adv_skipped"] == 0
     assert second["entropy"] > first["entropy"]
     with pytest.raises(ValueError, match="entropy_coef"):
-        LossConfig(entropy_coef=-0.1)
+        checked(LossSection, entropy_coef=-0.1)

@@ -9,31 +9,33 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from rl360.policies.megatron.convert import GPTShape, hf_to_mcore, shard_tp, unshard_tp
+from rl360.recipe import TrainerSection
 
 
-class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Model-parallel sizes handed to megatron's parallel_state (data parallel is the rest)."""
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The model-parallel sizes handed to megatron's parallel_state (data parallel is the
+    rest), read from the recipe's [trainer] section; the bounds live there."""
 
-    tensor: int = 1
-    pipeline: int = 1
-    context: int = 1
-    expert: int = 1
+    tensor: int
+    pipeline: int
+    context: int
+    expert: int
 
-    def __post_init__(self) -> None:
-        for name in ("tensor", "pipeline", "context", "expert"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"megatron {name}_parallel must be >= 1, "
-                                 f"got {getattr(self, name)}")
+    @classmethod
+    def of(cls, t: TrainerSection) -> ParallelConfig:
+        return cls(tensor=t.tensor_parallel, pipeline=t.pipeline_parallel,
+                   context=t.context_parallel, expert=t.expert_parallel)
 
     @property
     def model_parallel(self) -> int:

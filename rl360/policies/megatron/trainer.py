@@ -44,32 +44,27 @@ from rl360.policies.trainer_torch import (
     _WEIGHT_SUFFIXES,
     STATE_FILE,
     TorchTrainer,
-    TrainerConfig,
     _as_tuple,
     _MicroBatch,
 )
+from rl360.recipe import TrainerSection
 
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 class MegatronTrainer(TorchTrainer):
-    def __init__(self, config: TrainerConfig, model_path: str | Path,
-                 parallel: ParallelConfig | None = None) -> None:
+    def __init__(self, config: TrainerSection, model_path: str | Path, *,
+                 temperature: float = 1.0, seed: int = 0) -> None:
         from transformers import AutoConfig
 
-        self.config = config
-        self.model_path = Path(model_path)
-        self.parallel = parallel or ParallelConfig()
+        self._init_common(config, model_path, temperature, seed)
+        self.parallel = ParallelConfig.of(config)
         if self.parallel.model_parallel != self.parallel.tensor:
             raise NotImplementedError(
                 f"megatron backend: pipeline/context/expert parallelism ({self.parallel}) is not "
                 "implemented yet; use pipeline/context/expert_parallel = 1 (tensor_parallel "
                 "and data parallel work)")
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
-        init_parallel(self.parallel, config.seed)
+        init_parallel(self.parallel, seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
         hf_config = AutoConfig.from_pretrained(self.model_path)
         self.shape: GPTShape = shape_from_hf(hf_config)
@@ -197,7 +192,7 @@ class MegatronTrainer(TorchTrainer):
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
             logits = gather_from_tensor_model_parallel_region(logits)
-        return logits[:, :-1].float() / self.config.temperature
+        return logits[:, :-1].float() / self.temperature
 
     # ------------------------------------------------------------------ weights and state
 
