@@ -47,21 +47,22 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.engines.base import EngineConfig
+    from rl360.recipe import EngineSection, ModelSection
     from rl360.serve.engines.torch_backend import TorchBackend
     from rl360.serve.engines.vllm_backend import VLLMBackend
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     texts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(args.requests)]
     prompts = [tok(t)["input_ids"] for t in texts]
-    cfg = EngineConfig(model=args.model, max_model_len=1024, max_batch_size=args.requests)
+    cfg = (EngineSection(max_batch_size=args.requests),
+           ModelSection(path=args.model, max_model_len=1024))
 
-    vllm_b = VLLMBackend(cfg)
+    vllm_b = VLLMBackend(*cfg)
     try:
         v_tps, v_tokens = await throughput(vllm_b, prompts, args.max_tokens)
     finally:
         await vllm_b.close()
-    torch_b = TorchBackend(cfg)
+    torch_b = TorchBackend(*cfg)
     try:
         t_tps, t_tokens = await throughput(torch_b, prompts, args.max_tokens)
     finally:

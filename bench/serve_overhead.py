@@ -26,12 +26,12 @@ MESSAGES = [{"role": "system", "content": "You write short Python functions."},
 async def direct(args: argparse.Namespace) -> tuple[float, int]:
     from rl360.policies.chat import ChatRenderer
     from rl360.policies.loading import load_tokenizer
-    from rl360.serve.engines.base import EngineConfig
+    from rl360.recipe import EngineSection, ModelSection
     from rl360.serve.engines.torch_backend import TorchBackend
     from rl360.types import Message, SamplingParams
 
-    cfg = EngineConfig(model="tiny", max_batch_size=64, batch_wait_ms=5.0, threads=args.threads)
-    be = TorchBackend(cfg)
+    be = TorchBackend(EngineSection(max_batch_size=64, batch_wait_ms=5.0, threads=args.threads),
+                      ModelSection(path="tiny"))
     r = ChatRenderer(load_tokenizer("tiny"))
     ids = r.render([Message(**m) for m in MESSAGES], None, add_generation_prompt=True)
 

@@ -9,10 +9,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from rl360.serve.engines.base import EngineConfig
+from rl360.recipe import EngineSection, ModelSection, ServeSection
 from rl360.serve.engines.scripted import ScriptedBackend
 from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest
-from rl360.serve.sessions.service import LocalEngineClient, SessionConfig, SessionService
+from rl360.serve.sessions.service import LocalEngineClient, SessionService
 from rl360.types import Generation, SamplingParams
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "run a command",
@@ -29,9 +29,14 @@ RULES = [
 
 
 def make_service(renderer, rules=RULES, **opts: Any) -> SessionService:  # type: ignore[no-untyped-def]
-    be = ScriptedBackend(EngineConfig(model="tiny", options={"rules": rules, **opts}),
+    be = ScriptedBackend(EngineSection(options={"rules": rules, **opts}), ModelSection(),
                          tokenizer=renderer.tokenizer)
-    return SessionService(renderer, LocalEngineClient(be), SessionConfig())
+    return service(renderer, LocalEngineClient(be))
+
+
+def service(renderer, engine) -> SessionService:  # type: ignore[no-untyped-def]
+    return SessionService(renderer, engine, ServeSection(), max_model_len=ModelSection().max_model_len,
+                          model_name="rl360")
 
 
 def req(messages: list[dict[str, Any]], **kw: Any) -> ChatCompletionRequest:
@@ -202,7 +207,7 @@ def _gen(ids: list[int], kind: str, stop_string: str | None = None) -> Generatio
 async def test_alternate_eos_is_kept_and_counted(renderer) -> None:  # type: ignore[no-untyped-def]
     alt = renderer.alt_eos_ids[0]
     ids = [*renderer.encode("hi"), alt]
-    svc = SessionService(renderer, _FixedEngine([_gen(ids, "eos"), _gen(ids, "eos")]), SessionConfig())
+    svc = service(renderer, _FixedEngine([_gen(ids, "eos"), _gen(ids, "eos")]))
     s = svc.open()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
     out = await svc.chat(s["id"], s["token"], req(msgs))
@@ -217,9 +222,8 @@ async def test_alternate_eos_is_kept_and_counted(renderer) -> None:  # type: ign
 
 async def test_stop_string_gets_a_synthetic_end_of_turn(renderer) -> None:  # type: ignore[no-untyped-def]
     ids = renderer.encode("answer: 42 END")
-    svc = SessionService(renderer, _FixedEngine([_gen(ids, "stop_string", "END"),
-                                                 _gen([*renderer.encode("ok"), renderer.end_of_turn_id], "eos")]),
-                         SessionConfig())
+    svc = service(renderer, _FixedEngine([_gen(ids, "stop_string", "END"),
+                                          _gen([*renderer.encode("ok"), renderer.end_of_turn_id], "eos")]))
     s = svc.open()
     msgs: list[dict[str, Any]] = [{"role": "user", "content": "q"}]
     out = await svc.chat(s["id"], s["token"], req(msgs, stop=["END"]))

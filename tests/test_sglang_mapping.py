@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from rl360.serve.engines.base import BackendUnavailable, EngineConfig, build_engine_backend
+from rl360.recipe import EngineSection, ModelSection
+from rl360.serve.engines.base import BackendUnavailable, build_engine_backend
 from rl360.serve.engines.gate import VersionGate
 from rl360.serve.engines.sglang_backend import (
     engine_kwargs,
@@ -71,14 +72,14 @@ def test_bad_answers_fail_loudly() -> None:
 
 
 def test_options_split_ours_from_sglangs() -> None:
-    cfg = EngineConfig(model="m", dtype="bfloat16", max_model_len=4096, max_batch_size=64,
-                       seed=3, options={"mode": "http", "url": "http://h:1",
-                                        "mem_fraction_static": 0.8, "tp_size": 2})
+    cfg = EngineSection(max_batch_size=64, options={"mode": "http", "url": "http://h:1",
+                                                    "mem_fraction_static": 0.8, "tp_size": 2})
+    model = ModelSection(path="m", dtype="bfloat16", max_model_len=4096)
     own, extra = split_options(cfg.options)
     assert own.mode == "http" and own.url == "http://h:1"
     assert extra == {"mem_fraction_static": 0.8, "tp_size": 2}
-    assert engine_kwargs(EngineConfig(model="m", tensor_parallel=4), "/m")["tp_size"] == 4
-    kw = engine_kwargs(cfg, "/models/x")
+    assert engine_kwargs(EngineSection(tensor_parallel=4), model, 0, "/m")["tp_size"] == 4
+    kw = engine_kwargs(cfg, model, 3, "/models/x")
     assert kw["model_path"] == "/models/x" and kw["context_length"] == 4096
     assert kw["max_running_requests"] == 64 and kw["random_seed"] == 3
     assert kw["mem_fraction_static"] == 0.8 and "mode" not in kw and "url" not in kw
@@ -108,7 +109,7 @@ def test_control_results_are_checked() -> None:
 @pytest.mark.skipif(sglang_installed(), reason="sglang is installed here")
 def test_missing_sglang_is_reported_by_the_factory() -> None:
     with pytest.raises(BackendUnavailable, match="sglang"):
-        build_engine_backend("sglang", EngineConfig(model="tiny"))
+        build_engine_backend(EngineSection(backend="sglang"), ModelSection())
 
 
 async def test_gate_keeps_a_sequence_on_one_version() -> None:

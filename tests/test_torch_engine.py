@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from rl360.serve.engines.base import EngineConfig
+from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
 from rl360.types import SamplingParams
 
@@ -19,7 +19,7 @@ def lm(tiny_dir):  # type: ignore[no-untyped-def]
 
 def make_backend(lm, **kw) -> TorchBackend:  # type: ignore[no-untyped-def]
     model, tok = lm
-    return TorchBackend(EngineConfig(model="tiny", **kw), model=model, tokenizer=tok)
+    return TorchBackend(EngineSection(**kw), ModelSection(), model=model, tokenizer=tok)
 
 
 def teacher_forced_logprobs(model, prompt: list[int], out: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
@@ -91,7 +91,7 @@ async def test_stops_by_token_string_and_length(lm, tiny_tokenizer) -> None:  # 
 
 async def test_weight_updates_are_versioned_and_never_go_back(lm, caplog) -> None:  # type: ignore[no-untyped-def]
     model, tok = load_causal_lm(str(lm[0].name_or_path), "float32")
-    be = TorchBackend(EngineConfig(model="tiny"), model=model, tokenizer=tok)
+    be = TorchBackend(EngineSection(), ModelSection(), model=model, tokenizer=tok)
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     before = await be.generate([1, 2, 3], sp)
     assert before.token_versions == [0] * 8

@@ -48,32 +48,6 @@ class ServingHandles:
         return ray.get(self.publisher.status.remote())
 
 
-def engine_config(recipe: Recipe) -> dict[str, Any]:
-    e, m = recipe.engine, recipe.model
-    return {
-        "model": m.path,
-        "dtype": m.dtype,
-        "max_batch_size": e.max_batch_size,
-        "batch_wait_ms": e.batch_wait_ms,
-        "max_model_len": m.max_model_len,
-        "threads": e.threads,
-        "seed": recipe.run.seed,
-        "tensor_parallel": e.tensor_parallel,
-        "options": dict(e.options),
-    }
-
-
-def session_config(recipe: Recipe) -> dict[str, Any]:
-    s = recipe.serve
-    return {
-        "model_name": recipe.run.name,
-        "default_max_tokens": s.default_max_tokens,
-        "max_model_len": recipe.model.max_model_len,
-        "matcher": s.matcher,
-        "session_ttl_s": s.session_ttl_s,
-    }
-
-
 def start_serving(recipe: Recipe, placement: Placement | None = None,
                   timeout_s: float = 300.0) -> ServingHandles:
     """Engines (on `placement`'s rollout options), shards, publisher and session servers
@@ -109,8 +83,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         shards.append(
             shard_cls.options(name=name, namespace=ns, get_if_exists=True,
                               max_concurrency=1000, **service)
-            .remote(recipe.model.path, recipe.model.chat_template, session_config(recipe),
-                    ServeEngineClient(s.app_name))
+            .remote(recipe.model, s, recipe.run.name, ServeEngineClient(s.app_name))
         )
     ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
     serve.start(http_options={"host": s.host, "port": s.port}, proxy_location=s.proxy_location)
@@ -122,7 +95,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=5,
         logging_config={"enable_access_log": False},  # one line per token call is noise
-    ).bind(e.backend, engine_config(recipe), (publisher_name, ns))
+    ).bind(e, recipe.model, recipe.run.seed, (publisher_name, ns))
     server = serve.deployment(
         SessionServer,
         name="session-server",

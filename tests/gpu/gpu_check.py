@@ -161,17 +161,19 @@ def compare(ref: list[dict[str, Any]], eng: list[dict[str, Any]], model: Any,
 async def parity(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from rl360.serve.engines.base import EngineConfig, build_engine_backend
+    from rl360.recipe import EngineSection, ModelSection
+    from rl360.serve.engines.base import build_engine_backend
     from rl360.serve.engines.torch_backend import TorchBackend
 
     ps = prompts(args.model)
     new = perturbation(args.model)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 2))
-    ref = TorchBackend(EngineConfig(model=args.model, dtype="float32", max_batch_size=64))
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, max_batch_size=64, seed=0,
-                       max_model_len=2048, options=dict(ENGINE_OPTIONS[args.engine]))
+    ref = TorchBackend(EngineSection(max_batch_size=64), ModelSection(path=args.model))
     t0 = time.perf_counter()
-    eng = build_engine_backend(args.engine, cfg)
+    eng = build_engine_backend(
+        EngineSection(backend=args.engine, max_batch_size=64,
+                      options=dict(ENGINE_OPTIONS[args.engine])),
+        ModelSection(path=args.model, dtype=args.dtype, max_model_len=2048), seed=0)
     res: dict[str, Any] = {"engine": args.engine, "dtype": args.dtype}
     try:
         e0 = await greedy(eng, ps, args.max_tokens)
@@ -311,14 +313,15 @@ async def raw_tps(engine: str, model: str, sessions: int, requests: int,
     from bench.serve_overhead import MESSAGES
     from rl360.policies.chat import ChatRenderer
     from rl360.policies.loading import load_tokenizer
-    from rl360.serve.engines.base import EngineConfig, build_engine_backend
+    from rl360.recipe import EngineSection, ModelSection
+    from rl360.serve.engines.base import build_engine_backend
     from rl360.types import Message, SamplingParams
 
     r = ChatRenderer(load_tokenizer(model))
     ids = r.render([Message(**m) for m in MESSAGES], None, add_generation_prompt=True)
-    be = build_engine_backend(engine, EngineConfig(model=model, dtype="bfloat16",
-                                                   max_batch_size=128, seed=0,
-                                                   options=dict(ENGINE_OPTIONS[engine])))
+    be = build_engine_backend(
+        EngineSection(backend=engine, max_batch_size=128, options=dict(ENGINE_OPTIONS[engine])),
+        ModelSection(path=model, dtype="bfloat16"), seed=0)
     try:
         async def worker(w: int) -> int:
             n = 0
@@ -379,16 +382,17 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from rl360.serve.engines.base import BACKENDS, EngineConfig
+    from rl360.recipe import EngineSection, ModelSection
+    from rl360.serve.engines.base import BACKENDS
     from rl360.serve.engines.sglang_backend import engine_kwargs
     from rl360.serve.weights import nccl as _nccl
 
     wired: dict[str, Any] = {"nccl_sender": _nccl.WeightSender.__name__}
     if args.cmd in ("parity", "bench"):
-        cfg = EngineConfig(model=args.model, dtype="bfloat16",
-                           options=dict(ENGINE_OPTIONS[args.engine]))
+        cfg = EngineSection(backend=args.engine, options=dict(ENGINE_OPTIONS[args.engine]))
         if args.engine == "sglang":
-            wired["engine_kwargs"] = engine_kwargs(cfg, args.model)
+            wired["engine_kwargs"] = engine_kwargs(
+                cfg, ModelSection(path=args.model, dtype="bfloat16"), 0, args.model)
     if args.cmd == "bench":
         from bench.serve_overhead import MESSAGES, through_server
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rl360.serve.engines.base import EngineConfig
+from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.torch_backend import processed_logprobs
 from rl360.types import SamplingParams
 
@@ -105,9 +105,9 @@ async def main(model: str) -> dict[str, Any]:
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    cfg = EngineConfig(model=model, max_model_len=512, max_batch_size=8)
-    torch_b = TorchBackend(cfg)
-    vllm_b = VLLMBackend(cfg)
+    cfg = (EngineSection(max_batch_size=8), ModelSection(path=model, max_model_len=512))
+    torch_b = TorchBackend(*cfg)
+    vllm_b = VLLMBackend(*cfg)
     res: dict[str, Any] = {"model": model, "prompts": prompts}
     try:
         res["greedy_torch"] = await greedy(torch_b, prompts)

@@ -3,8 +3,7 @@
 from rl360.serve.engines.base import (
     BACKENDS,
     EngineBackend,
-    EngineConfig,
     build_engine_backend,
 )
 
-__all__ = ["BACKENDS", "EngineBackend", "EngineConfig", "build_engine_backend"]
+__all__ = ["BACKENDS", "EngineBackend", "build_engine_backend"]

@@ -10,24 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol, runtime_checkable
 
-import msgspec
-
+from rl360.recipe import EngineSection, ModelSection
 from rl360.types import Generation, SamplingParams
-
-
-class EngineConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """What a backend needs to start. `model` is an HF directory (or "tiny" for a tiny policy
-    built from a config in `model_dir`)."""
-
-    model: str
-    dtype: str = "float32"
-    max_batch_size: int = 32
-    batch_wait_ms: float = 2.0
-    max_model_len: int = 2048
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    seed: int = 0
-    tensor_parallel: int = 1  # GPUs one replica's engine spans (sglang tp_size, vllm TP size)
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 @runtime_checkable
@@ -76,7 +60,10 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
-def build_engine_backend(name: str, config: EngineConfig) -> EngineBackend:
+def build_engine_backend(engine: EngineSection, model: ModelSection, seed: int = 0) -> EngineBackend:
+    """The backend `engine.backend` names, for the recipe's [engine] and [model] sections (the
+    model is `model.path`: an HF directory, "tiny[:preset]" or "smollm2") and the run's seed."""
+    name = engine.backend
     if name not in BACKENDS:
         raise ValueError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
     module_name, _, cls_name = BACKENDS[name].partition(":")
@@ -87,4 +74,4 @@ def build_engine_backend(name: str, config: EngineConfig) -> EngineBackend:
             f"engine backend {name!r} is not installed here ({exc.name} missing); "
             f"install the rl360[{name}] extra on a machine that can run it"
         ) from exc
-    return getattr(module, cls_name)(config)
+    return getattr(module, cls_name)(engine, model, seed)

@@ -13,7 +13,8 @@ from typing import Any
 
 from ray import serve
 
-from rl360.serve.engines import EngineConfig, build_engine_backend
+from rl360.recipe import EngineSection, ModelSection
+from rl360.serve.engines import build_engine_backend
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine")
@@ -24,14 +25,13 @@ class EngineReplica:
 
     def __init__(
         self,
-        backend: str,
-        config: dict[str, Any],
+        engine: EngineSection,
+        model: ModelSection,
+        seed: int = 0,
         publisher: tuple[str, str] | None = None,
     ) -> None:
-        import msgspec
-
-        self.backend_name = backend
-        self.backend = build_engine_backend(backend, msgspec.convert(config, EngineConfig))
+        self.backend_name = backend = engine.backend
+        self.backend = build_engine_backend(engine, model, seed)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:

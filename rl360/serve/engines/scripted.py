@@ -10,20 +10,21 @@ import asyncio
 import re
 from typing import Any
 
-from rl360.serve.engines.base import EngineConfig
+from rl360.recipe import EngineSection, ModelSection
 from rl360.types import Generation, SamplingParams
 
 
 class ScriptedBackend:
-    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+    def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0,
+                 tokenizer: Any = None) -> None:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             from rl360.policies.loading import resolve_model_path
 
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model))
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model.path))
         self.tokenizer = tokenizer
-        opts = config.options
+        opts = engine.options
         self.rules: list[tuple[re.Pattern[str], str]] = [
             (re.compile(p, re.DOTALL), reply) for p, reply in opts.get("rules", [])
         ]

@@ -24,7 +24,7 @@ HTTP mode: the replica still needs sglang importable for object-store updates (i
 packs the CUDA-IPC handles), and the server must run on the GPU this replica sees; with a
 server elsewhere use the collective transport (the server joins the NCCL group itself).
 
-EngineConfig.options: our keys are in _OWN_OPTIONS; every other key is an SGLang ServerArgs
+engine.options: our keys are in _OWN_OPTIONS; every other key is an SGLang ServerArgs
 keyword (e.g. mem_fraction_static, tp_size, chunked_prefill_size), passed as is.
 """
 
@@ -37,7 +37,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from rl360.serve.engines.base import BackendUnavailable, EngineConfig
+from rl360.recipe import EngineSection, ModelSection
+from rl360.serve.engines.base import BackendUnavailable
 from rl360.serve.engines.gate import VersionGate
 from rl360.types import Generation, SamplingParams
 
@@ -86,16 +87,18 @@ def split_options(options: dict[str, Any]) -> tuple[SGLangOptions, dict[str, Any
         k: v for k, v in options.items() if k not in _OWN_OPTIONS}
 
 
-def engine_kwargs(config: EngineConfig, model_path: str) -> dict[str, Any]:
-    """sglang.Engine / ServerArgs keywords for `config` (options override any of them)."""
-    _, extra = split_options(config.options)
+def engine_kwargs(engine: EngineSection, model: ModelSection, seed: int,
+                  model_path: str) -> dict[str, Any]:
+    """sglang.Engine / ServerArgs keywords for the recipe's sections (engine.options override
+    any of them)."""
+    _, extra = split_options(engine.options)
     kwargs: dict[str, Any] = {
         "model_path": model_path,
-        "dtype": config.dtype,
-        "context_length": config.max_model_len,
-        "max_running_requests": config.max_batch_size,
-        "random_seed": config.seed,
-        "tp_size": config.tensor_parallel,
+        "dtype": model.dtype,
+        "context_length": model.max_model_len,
+        "max_running_requests": engine.max_batch_size,
+        "random_seed": seed,
+        "tp_size": engine.tensor_parallel,
         "log_level": "error",
     }
     kwargs.update(extra)
@@ -177,19 +180,19 @@ def serialize_named_tensors(named: list[tuple[str, Any]], ranks: int, as_text: b
 
 
 class SGLangBackend:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0) -> None:
         from rl360.policies.loading import resolve_model_path
 
-        self.config = config
-        self.options, extra = split_options(config.options)
+        self.engine_cfg, self.model_cfg = engine, model
+        self.options, extra = split_options(engine.options)
         if not (self.options.mode == "http" and self.options.url) and not sglang_installed():
             raise BackendUnavailable(
                 "engine backend 'sglang' needs the sglang package (pip install 'rl360[sglang]' "
                 "on a GPU machine), or options mode='http' with the url of a running server")
-        self.tp = int(extra.get("tp_size", config.tensor_parallel))
+        self.tp = int(extra.get("tp_size", engine.tensor_parallel))
         self.weight_group_width = self.tp  # ranks this replica takes in a collective group
-        self.model_path = str(resolve_model_path(config.model))
-        self._kwargs = engine_kwargs(config, self.model_path)
+        self.model_path = str(resolve_model_path(model.path))
+        self._kwargs = engine_kwargs(engine, model, seed, self.model_path)
         self._client: Any = None
         self._starting: asyncio.Lock | None = None
         self._gate = VersionGate(0)
@@ -207,11 +210,11 @@ class SGLangBackend:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         if not prompt_ids:
             raise ValueError("prompt_ids is empty")
-        if len(prompt_ids) >= self.config.max_model_len:
+        if len(prompt_ids) >= self.model_cfg.max_model_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len "
-                             f"{self.config.max_model_len}")
+                             f"{self.model_cfg.max_model_len}")
         payload = to_sglang_sampling(sampling, self.options.seed_param,
-                                     room=self.config.max_model_len - len(prompt_ids))
+                                     room=self.model_cfg.max_model_len - len(prompt_ids))
         client = await self._ensure_client()
         async with self._gate.reading() as version:
             t0 = time.perf_counter()
@@ -275,7 +278,7 @@ class SGLangBackend:
         from rl360.serve.weights.plan import tensor_checksum
 
         client = await self._ensure_client()
-        dtype = getattr(torch, self.config.dtype)
+        dtype = getattr(torch, self.model_cfg.dtype)
         out: dict[str, tuple[int, int]] = {}
         for name in names:
             values = await client.get_weights(name, self.options.checksum_prefix)

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from rl360.serve.engines.base import EngineConfig, check_prompt
+from rl360.recipe import EngineSection, ModelSection
+from rl360.serve.engines.base import check_prompt
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.torch")
@@ -54,14 +55,17 @@ def load_causal_lm(model: str, dtype: str) -> tuple[Any, Any]:
 
 
 class TorchBackend:
-    def __init__(self, config: EngineConfig, model: Any = None, tokenizer: Any = None) -> None:
-        if config.dtype not in _DTYPES:
-            raise ValueError(f"engine.dtype {config.dtype!r} not in {sorted(_DTYPES)}")
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
-        self.config = config
+    def __init__(self, engine: EngineSection, model_cfg: ModelSection, seed: int = 0,
+                 model: Any = None, tokenizer: Any = None) -> None:
+        """`model`/`tokenizer`: an already loaded HF model (tests, benches) instead of
+        loading `model_cfg.path`."""
+        if model_cfg.dtype not in _DTYPES:
+            raise ValueError(f"model.dtype {model_cfg.dtype!r} not in {sorted(_DTYPES)}")
+        if engine.threads > 0:
+            torch.set_num_threads(engine.threads)
+        self.engine_cfg, self.model_cfg = engine, model_cfg
         if model is None:
-            model, tokenizer = load_causal_lm(config.model, config.dtype)
+            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype)
         self.model = model
         self.tokenizer = tokenizer
         self.pad_id = _pad_id(model, tokenizer)
@@ -75,7 +79,7 @@ class TorchBackend:
         self._task: asyncio.Task[None] | None = None
         self._lock: asyncio.Lock | None = None
         self._running: asyncio.Event | None = None
-        self._rng = random.Random(config.seed)
+        self._rng = random.Random(seed)
         self._failure: BaseException | None = None
         self._stats = {"batches": 0, "requests": 0, "tokens": 0, "busy_s": 0.0, "updates": 0}
         # all model work on ONE long-lived thread: torch's intra-op pool and the allocator's
@@ -91,7 +95,7 @@ class TorchBackend:
         return self._version
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        check_prompt(prompt_ids, self.config.max_model_len)
+        check_prompt(prompt_ids, self.model_cfg.max_model_len)
         self._ensure_started()
         assert self._queue is not None
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
@@ -172,12 +176,12 @@ class TorchBackend:
 
     async def _batch_loop(self) -> None:
         assert self._queue is not None and self._lock is not None and self._running is not None
-        wait_s = self.config.batch_wait_ms / 1000.0
+        wait_s = self.engine_cfg.batch_wait_ms / 1000.0
         while True:
             first = await self._queue.get()
             batch = [first]
             deadline = time.monotonic() + wait_s
-            while len(batch) < self.config.max_batch_size:
+            while len(batch) < self.engine_cfg.max_batch_size:
                 timeout = deadline - time.monotonic()
                 if timeout <= 0 and self._queue.empty():
                     break
@@ -302,7 +306,7 @@ class TorchBackend:
             if hit is not None:
                 r.finish_reason, r.stop_kind, r.stop_string = "stop", "stop_string", hit
                 return True
-        if len(r.out_ids) >= s.max_tokens or prompt_len + len(r.out_ids) >= self.config.max_model_len:
+        if len(r.out_ids) >= s.max_tokens or prompt_len + len(r.out_ids) >= self.model_cfg.max_model_len:
             r.finish_reason = "length"
             return True
         return False

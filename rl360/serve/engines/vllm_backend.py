@@ -29,7 +29,8 @@ import time
 import uuid
 from typing import Any
 
-from rl360.serve.engines.base import EngineConfig, check_prompt
+from rl360.recipe import EngineSection, ModelSection
+from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.vllm_worker import pack_state
 from rl360.types import Generation, SamplingParams
 
@@ -37,27 +38,29 @@ log = logging.getLogger("rl360.engine.vllm")
 
 WORKER_EXTENSION = "rl360.serve.engines.vllm_worker.RL360WeightLoader"
 
-# EngineConfig.options keys that are ours; every other key goes to vLLM's AsyncEngineArgs
+# engine.options keys that are ours; every other key goes to vLLM's AsyncEngineArgs
 _OWN_OPTIONS = {"kv_cache_gb", "omp_threads_bind"}
 
 
-def engine_args(config: EngineConfig, model_path: str) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments for `config` (options may override any of them)."""
+def engine_args(engine: EngineSection, model: ModelSection, seed: int,
+                model_path: str) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments for the recipe's sections (engine.options may
+    override any of them)."""
     args: dict[str, Any] = {
         "model": model_path,
         "tokenizer": model_path,
-        "dtype": config.dtype,
-        "max_model_len": config.max_model_len,
-        "max_num_seqs": config.max_batch_size,
-        "seed": config.seed,
-        "tensor_parallel_size": config.tensor_parallel,
+        "dtype": model.dtype,
+        "max_model_len": model.max_model_len,
+        "max_num_seqs": engine.max_batch_size,
+        "seed": seed,
+        "tensor_parallel_size": engine.tensor_parallel,
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": WORKER_EXTENSION,
         "enforce_eager": True,  # no compile step: start-up in seconds on a CPU
         "disable_log_stats": True,
         "enable_prefix_caching": True,
     }
-    args.update({k: v for k, v in config.options.items() if k not in _OWN_OPTIONS})
+    args.update({k: v for k, v in engine.options.items() if k not in _OWN_OPTIONS})
     return args
 
 
@@ -116,12 +119,12 @@ def to_generation(out: Any, sp: SamplingParams, version: int) -> Generation:
 
 
 class VLLMBackend:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0) -> None:
         from rl360.policies.loading import resolve_model_path
 
-        self.config = config
-        self.model_path = str(resolve_model_path(config.model))
-        opts = config.options
+        self.engine_cfg, self.model_cfg, self.seed = engine, model, seed
+        self.model_path = str(resolve_model_path(model.path))
+        opts = engine.options
         # read by vLLM's CPU platform in the engine-core process, which inherits our env
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(opts.get("kv_cache_gb", 1))))
         if "omp_threads_bind" in opts:
@@ -146,12 +149,12 @@ class VLLMBackend:
         return self._version
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
-        check_prompt(prompt_ids, self.config.max_model_len)
+        check_prompt(prompt_ids, self.model_cfg.max_model_len)
         engine = await self._ensure_started()
         assert self._open is not None and self._drained is not None
         from vllm.inputs import TokensPrompt
 
-        params = to_vllm_sampling(sampling, self.config.max_model_len, len(prompt_ids))
+        params = to_vllm_sampling(sampling, self.model_cfg.max_model_len, len(prompt_ids))
         while not self._open.is_set():  # paused, or a weight update is loading
             await self._open.wait()
         self._in_flight += 1
@@ -274,7 +277,7 @@ class VLLMBackend:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**engine_args(self.config, self.model_path))
+        args = AsyncEngineArgs(**engine_args(self.engine_cfg, self.model_cfg, self.seed, self.model_path))
         t0 = time.perf_counter()
         engine = AsyncLLM.from_engine_args(args)
         log.info("vLLM engine for %s up in %.1fs", self.model_path, time.perf_counter() - t0)

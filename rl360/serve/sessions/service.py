@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import msgspec
 
 from rl360.policies.chat import ChatRenderer
+from rl360.recipe import ServeSection
 from rl360.serve.sessions.ledger import LedgerError, PreparedTurn, SessionLedger
 from rl360.serve.sessions.openai_types import (
     ApiError,
@@ -53,16 +54,6 @@ class LocalEngineClient:
         return await self.backend.generate(prompt_ids, sampling)
 
 
-class SessionConfig(msgspec.Struct, forbid_unknown_fields=True):
-    model_name: str = "rl360-policy"
-    default_max_tokens: int = 256
-    max_model_len: int = 2048
-    matcher: str = "loose_tool_call"
-    session_ttl_s: float = 3600.0
-    tool_call_open: str = "<tool_call>"
-    tool_call_close: str = "</tool_call>"
-
-
 @dataclass
 class _Session:
     token: str
@@ -75,10 +66,15 @@ class _Session:
 
 
 class SessionService:
-    def __init__(self, renderer: ChatRenderer, engine: EngineClient, config: SessionConfig) -> None:
+    def __init__(self, renderer: ChatRenderer, engine: EngineClient, config: ServeSection, *,
+                 max_model_len: int, model_name: str) -> None:
+        """`config`: the recipe's [serve] section; `max_model_len`: the model's context
+        (model.max_model_len); `model_name`: what responses name as their model (run.name)."""
         self.renderer = renderer
         self.engine = engine
         self.config = config
+        self.max_model_len = max_model_len
+        self.model_name = model_name
         self.sessions: dict[str, _Session] = {}
         self.events: Counter[str] = Counter()
 
@@ -194,7 +190,7 @@ class SessionService:
             "engine_replica": gen.engine_replica,
         }
         return chat_completion_body(
-            response_id, req.model or self.config.model_name, reply, finish,
+            response_id, req.model or self.model_name, reply, finish,
             len(prep.prompt_ids), len(gen.token_ids), extra, lps,
         )
 
@@ -250,7 +246,7 @@ class SessionService:
             }
         return {
             "id": response_id, "object": "text_completion", "created": int(time.time()),
-            "model": req.model or self.config.model_name, "choices": [choice],
+            "model": req.model or self.model_name, "choices": [choice],
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(gen.token_ids),
                       "total_tokens": len(ids) + len(gen.token_ids)},
             "rl360": {"policy_version": gen.policy_version},
@@ -263,10 +259,10 @@ class SessionService:
         top_k: int | None, max_tokens: int | None, stop: str | list[str] | None,
         stop_token_ids: list[int] | None, seed: int | None, eos: bool = True,
     ) -> SamplingParams:
-        room = self.config.max_model_len - len(prep.prompt_ids)
+        room = self.max_model_len - len(prep.prompt_ids)
         if room <= 0:
             raise LedgerError(400, "context_length", f"the prompt has {len(prep.prompt_ids)} "
-                              f"tokens; this model's context is {self.config.max_model_len}")
+                              f"tokens; this model's context is {self.max_model_len}")
         want = max_tokens if max_tokens is not None else self.config.default_max_tokens
         if want < 1:
             raise LedgerError(422, "bad_max_tokens", "max_tokens must be >= 1")

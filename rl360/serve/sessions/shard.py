@@ -7,11 +7,10 @@ import logging
 import zlib
 from typing import Any
 
-import msgspec
-
+from rl360.recipe import ModelSection, ServeSection
 from rl360.serve.sessions.ledger import LedgerError
 from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, CompletionRequest
-from rl360.serve.sessions.service import EngineClient, SessionConfig, SessionService
+from rl360.serve.sessions.service import EngineClient, SessionService
 
 log = logging.getLogger("rl360.sessions")
 
@@ -23,17 +22,17 @@ def shard_for(session_id: str, num_shards: int) -> int:
 class SessionShard:
     def __init__(
         self,
-        model: str,
-        chat_template: str,
-        config: dict[str, Any],
+        model: ModelSection,
+        serve: ServeSection,
+        model_name: str,
         engine: EngineClient,
     ) -> None:
         from rl360.policies.chat import ChatRenderer
         from rl360.policies.loading import load_tokenizer
 
-        cfg = msgspec.convert(config, SessionConfig)
-        renderer = ChatRenderer(load_tokenizer(model, chat_template), cfg.tool_call_open, cfg.tool_call_close)
-        self.svc = SessionService(renderer, engine, cfg)
+        renderer = ChatRenderer(load_tokenizer(model.path, model.chat_template))
+        self.svc = SessionService(renderer, engine, serve, max_model_len=model.max_model_len,
+                                  model_name=model_name)
         self._reaper: asyncio.Task[None] | None = None
         self._gauges: dict[str, Any] = {}
 
