@@ -82,6 +82,33 @@ class SamplingSection(_S):
     max_tokens: PosInt = 256
 
 
+class SandboxLimits(_S, omit_defaults=True):
+    """[env.limits]: caps for one sandbox (tasks may ask for other values). Memory covers every process of the sandbox together with the files
+    it keeps in its RAM-backed work dir and /tmp (where the backend stores them in RAM)."""
+
+    cpu_seconds: int = 30  # CPU time per exec'd process (RLIMIT_CPU)
+    memory_mb: int = 512  # whole sandbox (cgroup) or per process (rlimit), see protections
+    max_procs: int = 64  # processes + threads of the sandbox at once
+    disk_mb: int = 256  # size of the writable work dir
+    tmp_mb: int = 64  # size of the private /tmp
+    output_bytes: int = 65536  # kept per stream per exec (head and tail); the rest is dropped
+    timeout: float = 30.0  # default wall-clock timeout of one exec, seconds
+    network: bool = False
+    cpus: float | None = None  # CPU bandwidth (cgroup cpu controller) where available
+    # scheduling niceness of everything in the sandbox: model-written code yields the CPU to
+    # the engines and trainers of the same host (a burst of gradings must not starve them)
+    nice: int = 10
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "memory_mb", "max_procs", "disk_mb", "tmp_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+        if self.output_bytes < 0 or self.timeout <= 0:
+            raise ValueError("SandboxLimits.output_bytes must be >= 0 and timeout > 0")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"SandboxLimits.nice must be in 0..19, got {self.nice}")
+
+
 class EnvSection(_S):
     sandbox: Literal["auto", "bwrap", "process", "docker"] = "auto"
     actors: PosInt = 1  # env actors; each hosts several concurrent episodes
@@ -90,13 +117,13 @@ class EnvSection(_S):
     env: str = ""  # "" = by task kind (code, harbor); else a name or "package.module:Class"
     agent_fn: str = ""  # "package.module:run": an agent function instead of the built-in loop
     max_turns: PosInt = 8
-    call_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0
+    call_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0  # one chat call; beyond: infra error
+    # the agent phase of an episode (setup to final answer)
     episode_timeout_s: Annotated[float, Meta(gt=0.0)] = 900.0
     verify_timeout_s: Annotated[float, Meta(gt=0.0)] = 900.0
     max_consecutive_tool_failures: PosInt = 3
-    memory_mb: PosInt = 512
-    cpu_seconds: PosInt = 30
-    max_procs: PosInt = 64
+    max_tool_output_chars: PosInt = 8000  # a tool result longer than this is cut for the model
+    limits: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
 
 
 class EvalSection(_S):

@@ -14,21 +14,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
+from rl360.policies.advantages import build_advantage
+from rl360.recipe import TrainSection
 from rl360.types import Batch, TrainSample, Trajectory
-
-
-class BufferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    group_size: int = 8
-    groups_per_batch: int = 32
-    max_staleness: int = 1
-    stale_policy: Literal["drop", "keep"] = "drop"
-    filter_zero_variance: bool = False
-    capacity_groups: int = 256
-    advantage: str = "drgrpo"
 
 
 class GroupRecord(msgspec.Struct):
@@ -60,11 +52,11 @@ def to_samples(trajs: list[Trajectory], advantages: list[float]) -> list[TrainSa
 
 
 class TrajectoryBuffer:
-    def __init__(self, config: dict[str, Any]) -> None:
-        from rl360.policies.advantages import build_advantage
-
-        self.cfg = msgspec.convert(config, BufferConfig)
-        self.advantage = build_advantage(self.cfg.advantage)
+    def __init__(self, config: TrainSection, advantage: str) -> None:
+        """`config`: the recipe's [train] section (group size, batch, staleness, filters);
+        `advantage`: the estimator's name (trainer.advantage)."""
+        self.cfg = config
+        self.advantage = build_advantage(advantage)
         self.groups: collections.deque[GroupRecord] = collections.deque()
         self.counts: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Event()

@@ -25,23 +25,11 @@ from typing import Any
 
 import msgspec
 
+from rl360.envs.tasks import iter_tasks
+from rl360.recipe import TrainSection
 from rl360.types import Task
 
 log = logging.getLogger("rl360.controller")
-
-
-class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    task_paths: list[str]
-    group_size: int = 8
-    groups_per_batch: int = 32
-    max_staleness: int = 1
-    max_in_flight_groups: int = 64
-    capacity_groups: int = 256
-    engine_replicas: int = 1
-    tail_keep: int = 0  # 0 disables tail cancellation
-    tail_factor: float = 3.0
-    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
-    task_limit: int = 0
 
 
 @dataclass
@@ -53,8 +41,6 @@ class _Group:
 
 
 def _task_stream(paths: list[str], limit: int) -> Iterator[Task]:
-    from rl360.envs.tasks import iter_tasks
-
     while True:  # epochs; the files are re-read, never loaded whole
         n = 0
         for p in paths:
@@ -70,12 +56,17 @@ def _task_stream(paths: list[str], limit: int) -> Iterator[Task]:
 
 
 class RolloutController:
-    def __init__(self, config: dict[str, Any], env_actors: list[Any], buffer: Any, publisher: Any) -> None:
-        self.cfg = msgspec.convert(config, ControllerConfig)
+    def __init__(self, config: TrainSection, engine_replicas: int, env_actors: list[Any],
+                 buffer: Any, publisher: Any) -> None:
+        """`config`: the recipe's [train] section (tasks, group size, batch, staleness,
+        in-flight and tail limits, sampling); `engine_replicas` sizes the admission ramp."""
+        self.cfg = config
+        self.engine_replicas = engine_replicas
+        self.sampling = msgspec.to_builtins(config.sampling)
         self.env_actors = env_actors
         self.buffer = buffer
         self.publisher = publisher
-        self.tasks = _task_stream(self.cfg.task_paths, self.cfg.task_limit)
+        self.tasks = _task_stream(self.cfg.tasks, self.cfg.task_limit)
         # (task, first batch index it may run in)
         self.requeued: collections.deque[tuple[Task, int]] = collections.deque()
         self.inflight: dict[str, _Group] = {}
@@ -147,7 +138,7 @@ class RolloutController:
             for _ in range(self.cfg.group_size):
                 actor = self.env_actors[self._rr % len(self.env_actors)]
                 self._rr += 1
-                refs.append(actor.run.remote(task, gid, self.cfg.sampling or None))
+                refs.append(actor.run.remote(task, gid, self.sampling))
             self.inflight[gid] = _Group(task, refs, self.started // self.cfg.groups_per_batch)
             self.started += 1
             w = asyncio.get_running_loop().create_task(self._watch(gid), name=f"rl360-watch-{gid}")
@@ -171,7 +162,7 @@ class RolloutController:
             if need > self.served_version:
                 # short waits: a tail cancellation may move `started` back meanwhile
                 self.served_version = await self.publisher.wait_applied.remote(
-                    need, self.cfg.engine_replicas, 1.0)
+                    need, self.engine_replicas, 1.0)
                 continue
             if len(self.inflight) >= self.cfg.max_in_flight_groups:
                 await self._wait()

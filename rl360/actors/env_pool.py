@@ -19,7 +19,13 @@ import uuid
 from typing import Any
 
 import msgspec
+import ray
 
+from rl360.actors.session_client import SessionDirectory, ShardChatClient
+from rl360.envs.agent import run_agent_fn, run_episode
+from rl360.envs.api import TaskRefused, open_sandbox
+from rl360.envs.registry import build_env, resolve
+from rl360.recipe import EnvSection, SandboxLimits
 from rl360.types import Task, Trajectory
 
 log = logging.getLogger("rl360.env")
@@ -67,12 +73,11 @@ class EnvActor:
     WARM_SANDBOXES = 4  # per (backend, limits): shared by concurrent grading-only episodes
     EXEC_SLOTS = 8  # concurrent execs in the warm sandboxes of one env actor
 
-    def __init__(self, env_cfg: dict[str, Any], sampling: dict[str, Any], shard_names: list[str],
+    def __init__(self, env_cfg: EnvSection, sampling: dict[str, Any], shard_names: list[str],
                  namespace: str, base_url: str) -> None:
-        from rl360.actors.session_client import SessionDirectory
-        from rl360.recipe import EnvSection
-
-        self.cfg = msgspec.convert(env_cfg, EnvSection)
+        """`env_cfg`: the recipe's [env] section; `sampling`: the default sampling of its
+        episodes; the session shards by name (in `namespace`) and the server's base URL."""
+        self.cfg = env_cfg
         self.sampling = dict(sampling)
         self.sessions = SessionDirectory(shard_names, namespace)
         self.base_url = base_url
@@ -82,10 +87,8 @@ class EnvActor:
         self._warm_rr = itertools.count()
         self._slots: asyncio.Semaphore | None = None
 
-    def _sandbox_for(self, env: Any, task: Task, limits: Any) -> tuple[Any, bool]:
+    def _sandbox_for(self, env: Any, task: Task, limits: SandboxLimits) -> tuple[Any, bool]:
         """(sandbox, pooled): a warm shared one for envs that allow it, else a fresh one."""
-        from rl360.envs.api import open_sandbox
-
         if not getattr(env, "reuse_sandbox", False):
             return open_sandbox(env, task, self.cfg.sandbox, limits), False
         spec = env.sandbox_spec(task, limits)
@@ -103,22 +106,7 @@ class EnvActor:
             if sandbox in pool:
                 pool.remove(sandbox)
 
-    def _agent_config(self) -> Any:
-        from rl360.envs.agent import AgentConfig
-
-        c = self.cfg
-        return AgentConfig(max_turns=c.max_turns, call_timeout_s=c.call_timeout_s,
-                           episode_timeout_s=c.episode_timeout_s,
-                           verify_timeout_s=c.verify_timeout_s,
-                           max_consecutive_tool_failures=c.max_consecutive_tool_failures)
-
     async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Trajectory:
-        from rl360.actors.session_client import ShardChatClient
-        from rl360.envs.agent import run_agent_fn, run_episode
-        from rl360.envs.api import TaskRefused
-        from rl360.envs.registry import build_env, resolve
-        from rl360.envs.sandbox import SandboxLimits
-
         t0 = time.monotonic()
         self.running += 1
         sid = uuid.uuid4().hex
@@ -131,8 +119,7 @@ class EnvActor:
             if not isinstance(opened, dict):
                 return _infra(task, group_id, f"could not open a session: {opened}", t0)
             token = opened["token"]
-            limits = SandboxLimits(memory_mb=self.cfg.memory_mb, cpu_seconds=self.cfg.cpu_seconds,
-                                   max_procs=self.cfg.max_procs)
+            limits = self.cfg.limits
             sandbox = None
             pooled = False
             env = None
@@ -142,10 +129,10 @@ class EnvActor:
                 if self.cfg.agent_fn:
                     client = _openai_client(self.base_url, sid, token)
                     result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
-                                                self._agent_config())
+                                                self.cfg)
                 else:
                     client = ShardChatClient(shard, sid, token, sampling or self.sampling)
-                    result = await run_episode(env, task, sandbox, client, self._agent_config(),
+                    result = await run_episode(env, task, sandbox, client, self.cfg,
                                                verify_cache=self.verify_cache)
                 if pooled and result.status == "infra_error":  # maybe a broken warm sandbox
                     self._drop_warm(sandbox)
@@ -218,22 +205,16 @@ def with_plain_asyncio(options: dict[str, Any]) -> dict[str, Any]:
 class EnvPool:
     """Driver-side handle on N EnvActors; `submit` returns an ObjectRef[Trajectory]."""
 
-    def __init__(self, recipe: Any, serving: Any, sampling: dict[str, Any] | None = None,
-                 placement: Any = None) -> None:
-        """`placement` (launch.roles.Placement) gives the actors' resources and node role;
-        without one they ask for `env.num_cpus` and Ray places them."""
-        import ray
-
-        env = recipe.env
-        sampling = sampling or msgspec.to_builtins(recipe.eval.sampling)
-        options = placement.env_options() if placement is not None else {"num_cpus": env.num_cpus}
-        options = with_plain_asyncio(options)
+    def __init__(self, env: EnvSection, sampling: dict[str, Any], shard_names: list[str],
+                 namespace: str, base_url: str, actor_options: dict[str, Any] | None = None) -> None:
+        """`env.actors` EnvActors named rl360-env-<i> in `namespace`, each with the Ray
+        `actor_options` the assembler chose (resources, node role; default `env.num_cpus`)."""
+        options = with_plain_asyncio(actor_options or {"num_cpus": env.num_cpus})
         cls = ray.remote(EnvActor)
         self.actors = [
-            cls.options(name=f"rl360-env-{i}", namespace=recipe.ray.namespace,
+            cls.options(name=f"rl360-env-{i}", namespace=namespace,
                         max_concurrency=env.episodes_per_actor, get_if_exists=True, **options)
-            .remote(msgspec.to_builtins(env), sampling, serving.shard_names, serving.namespace,
-                    serving.base_url)
+            .remote(env, sampling, shard_names, namespace, base_url)
             for i in range(env.actors)
         ]
         self._rr = itertools.cycle(range(len(self.actors)))
@@ -242,8 +223,6 @@ class EnvPool:
         return self.actors[next(self._rr)].run.remote(task, group_id, sampling)
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=30)
         except Exception as exc:  # the actors go anyway

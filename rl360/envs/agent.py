@@ -26,6 +26,7 @@ import msgspec
 from rl360.envs.api import Env
 from rl360.envs.sandbox import Sandbox
 from rl360.envs.tools import clip
+from rl360.recipe import EnvSection
 from rl360.types import EpisodeStatus, Message, Reward, Task, ToolSpec
 
 
@@ -40,21 +41,6 @@ class ChatClient(Protocol):
     unreachable, server error); they never raise for what the model wrote."""
 
     async def chat(self, messages: list[Message], tools: list[ToolSpec]) -> ChatTurn: ...
-
-
-class AgentConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    max_turns: int = 8
-    call_timeout_s: float = 300.0  # one chat call; exceeding it is an infra error
-    episode_timeout_s: float = 900.0  # the agent phase of an episode (setup to final answer)
-    verify_timeout_s: float = 900.0
-    max_consecutive_tool_failures: int = 3
-    max_tool_output_chars: int = 8000
-
-    def __post_init__(self) -> None:
-        if self.max_turns < 1 or self.max_consecutive_tool_failures < 1:
-            raise ValueError("AgentConfig.max_turns and max_consecutive_tool_failures must be >= 1")
-        if min(self.call_timeout_s, self.episode_timeout_s, self.verify_timeout_s) <= 0:
-            raise ValueError("AgentConfig timeouts must be > 0")
 
 
 class EpisodeResult(msgspec.Struct, omit_defaults=True):
@@ -80,13 +66,13 @@ async def run_episode(
     task: Task,
     sandbox: Sandbox,
     client: ChatClient,
-    cfg: AgentConfig | None = None,
+    cfg: EnvSection | None = None,
     verify_cache: MutableMapping[str, Reward] | None = None,
 ) -> EpisodeResult:
     """Drive `env` on `task` with `client` until a final answer, max turns, a timeout or too
     many failing tool calls; then verify. The caller owns (and closes) `sandbox`. With a
     `verify_cache`, an env whose `verify_key()` is not None is verified once per key."""
-    cfg = cfg or AgentConfig()
+    cfg = cfg or EnvSection()
     t0 = time.monotonic()
     messages: list[Message] = []
     counters = {"tool_calls": 0, "tool_failures": 0, "malformed_tool_calls": 0}
@@ -201,12 +187,12 @@ AgentFn = Callable[[Task, Any, Sandbox], Awaitable[Reward]]
 
 
 async def run_agent_fn(
-    fn: AgentFn, task: Task, client: Any, sandbox: Sandbox, cfg: AgentConfig | None = None
+    fn: AgentFn, task: Task, client: Any, sandbox: Sandbox, cfg: EnvSection | None = None
 ) -> EpisodeResult:
     """Run a user's `async run(task, client, sandbox) -> Reward` (any OpenAI-compatible agent;
     its tokens come from the session server's ledger). A timeout is unscored (reward None); an
     exception from the agent function or its client is an infra_error."""
-    cfg = cfg or AgentConfig()
+    cfg = cfg or EnvSection()
     t0 = time.monotonic()
     try:
         await sandbox.start()

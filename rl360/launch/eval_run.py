@@ -33,13 +33,12 @@ def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], li
     """Tasks this host cannot run (e.g. a container image without Docker), refused up front."""
     from rl360.envs.api import TaskRefused, choose_backend
     from rl360.envs.registry import build_env
-    from rl360.envs.sandbox import SandboxLimits
 
     ok, refused = [], []
     for t in tasks:
         try:
             env = build_env(recipe.env.env or t.kind)
-            choose_backend(env.sandbox_spec(t, SandboxLimits()), recipe.env.sandbox, t)
+            choose_backend(env.sandbox_spec(t, recipe.env.limits), recipe.env.sandbox, t)
             ok.append(t)
         except TaskRefused as exc:
             refused.append(str(exc))

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from rl360.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -51,7 +53,9 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
         try:
             serving = start_serving(recipe, placement)
             if env_actors:
-                pool = EnvPool(recipe, serving, sampling=sampling, placement=placement)
+                pool = EnvPool(recipe.env, sampling or msgspec.to_builtins(recipe.eval.sampling),
+                               serving.shard_names, serving.namespace, serving.base_url,
+                               placement.env_options())
                 ray.get([a.load.remote() for a in pool.actors])  # up, or raise here
             yield Stack(info=info, placement=placement, serving=serving, pool=pool)
         finally:

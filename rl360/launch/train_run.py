@@ -70,20 +70,10 @@ def start_train_actors(recipe: Recipe, stack: Stack, model_path: Any) -> TrainAc
                            seed=recipe.run.seed, rank_options=placement.trainer_options)
     service = placement.service_options()
     buffer = ray.remote(TrajectoryBuffer).options(
-        name="rl360-trajectory-buffer", **service).remote({
-            "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
-            "max_staleness": tr.max_staleness, "stale_policy": tr.stale_policy,
-            "filter_zero_variance": tr.filter_zero_variance,
-            "capacity_groups": tr.capacity_groups, "advantage": t.advantage})
+        name="rl360-trajectory-buffer", **service).remote(tr, t.advantage)
     controller = ray.remote(RolloutController).options(
         name="rl360-rollout-controller", max_concurrency=1000, **service).remote(
-            {"task_paths": tr.tasks, "task_limit": tr.task_limit,
-             "group_size": tr.group_size, "groups_per_batch": tr.groups_per_batch,
-             "max_staleness": tr.max_staleness,
-             "max_in_flight_groups": tr.max_in_flight_groups,
-             "capacity_groups": tr.capacity_groups, "engine_replicas": recipe.engine.replicas,
-             "tail_keep": tr.tail_keep, "tail_factor": tr.tail_factor},
-            stack.pool.actors, buffer, stack.serving.publisher)
+            tr, recipe.engine.replicas, stack.pool.actors, buffer, stack.serving.publisher)
     ray.get([buffer.size.remote(), controller.status.remote()])  # up, or raise here
     return TrainActors(trainer=trainer, buffer=buffer, controller=controller)
 

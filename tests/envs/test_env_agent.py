@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import pytest
 
 from rl360.envs.agent import (
-    AgentConfig,
     ChatTurn,
     InfraError,
     ScriptedClient,
@@ -17,6 +16,7 @@ from rl360.envs.agent import (
 )
 from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.envs.sandbox import ExecResult, Sandbox, SandboxStartError
+from rl360.recipe import EnvSection, checked
 from rl360.types import FunctionCall, Message, Reward, Task, ToolCall
 
 pytestmark = pytest.mark.timeout(30)
@@ -101,7 +101,7 @@ def answer(text: str) -> Message:
 async def episode(script: Sequence[object], env: Env | None = None, **cfg: object):
     env = env or EchoEnv()
     client = ScriptedClient(script)
-    result = await run_episode(env, TASK, MemorySandbox(), client, AgentConfig(**cfg))  # type: ignore[arg-type]
+    result = await run_episode(env, TASK, MemorySandbox(), client, EnvSection(**cfg))  # type: ignore[arg-type]
     return result, client, env
 
 
@@ -165,14 +165,14 @@ async def test_client_connection_error_is_infra_error():
 async def test_hung_client_is_infra_error():
     client = ScriptedClient([answer("42")], delay_s=5)
     res = await run_episode(
-        EchoEnv(), TASK, MemorySandbox(), client, AgentConfig(call_timeout_s=0.2)
+        EchoEnv(), TASK, MemorySandbox(), client, EnvSection(call_timeout_s=0.2)
     )
     assert res.status == "infra_error" and "chat call exceeded" in res.reason and res.reward is None
 
 
 async def test_episode_timeout_is_timeout_and_verified():
     client = ScriptedClient([tools_msg("ok")] * 10, delay_s=0.15)
-    cfg = AgentConfig(episode_timeout_s=0.4, call_timeout_s=5, max_turns=10)
+    cfg = EnvSection(episode_timeout_s=0.4, call_timeout_s=5, max_turns=10)
     res = await run_episode(EchoEnv(), TASK, MemorySandbox(), client, cfg)
     assert res.status == "timeout" and res.reward is not None
 
@@ -228,7 +228,7 @@ async def test_agent_function_form():
     bad = await run_agent_fn(broken, TASK, object(), MemorySandbox())
     assert bad.status == "infra_error" and bad.reward is None and "endpoint down" in bad.reason
     late = await run_agent_fn(
-        slow, TASK, object(), MemorySandbox(), AgentConfig(episode_timeout_s=0.2)
+        slow, TASK, object(), MemorySandbox(), EnvSection(episode_timeout_s=0.2)
     )
     assert late.status == "timeout" and late.reward is None
     nostart = await run_agent_fn(good, TASK, object(), MemorySandbox(fail_start=True))
@@ -237,6 +237,6 @@ async def test_agent_function_form():
 
 def test_agent_config_validation():
     with pytest.raises(ValueError, match="max_turns"):
-        AgentConfig(max_turns=0)
-    with pytest.raises(ValueError, match="timeouts"):
-        AgentConfig(call_timeout_s=0)
+        checked(EnvSection, max_turns=0)
+    with pytest.raises(ValueError, match="call_timeout_s"):
+        checked(EnvSection, call_timeout_s=0)

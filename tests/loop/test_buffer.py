@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from rl360.actors.buffer import TrajectoryBuffer
+from rl360.recipe import TrainSection, checked
 from rl360.types import Reward, Trajectory
 
 
@@ -20,8 +21,8 @@ def traj(reward: float | None, version: int = 0, status: str = "ok", task: str =
 
 
 def make(**kw) -> TrajectoryBuffer:  # type: ignore[no-untyped-def]
-    cfg = {"group_size": 4, "groups_per_batch": 1, "max_staleness": 1, "advantage": "grpo", **kw}
-    return TrajectoryBuffer(cfg)
+    cfg = {"group_size": 4, "groups_per_batch": 1, "max_staleness": 1, **kw}
+    return TrajectoryBuffer(checked(TrainSection, **cfg), "grpo")
 
 
 async def test_infra_failure_does_not_move_the_other_advantages() -> None:

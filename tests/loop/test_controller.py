@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from rl360.recipe import TrainSection, checked
 from rl360.types import Reward, Task, Trajectory
 
 pytestmark = pytest.mark.ray
@@ -51,12 +52,12 @@ def start(ray, tasks_file: str, staleness: int, env_kw: dict | None = None, **cf
     from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(FakeEnvActor).remote(**(env_kw or {}))
-    buf = ray.remote(TrajectoryBuffer).remote({"group_size": 2, "groups_per_batch": 2,
-                                               "max_staleness": staleness})
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+                    max_staleness=staleness, max_in_flight_groups=8, **cfg)
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
     ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
-        {"task_paths": [tasks_file], "group_size": 2, "groups_per_batch": 2,
-         "max_staleness": staleness, "max_in_flight_groups": 8, **cfg}, [env], buf, pub)
+        train, 1, [env], buf, pub)
     ray.get(ctl.start.remote())
     return env, buf, pub, ctl
 
@@ -113,12 +114,12 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
     from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(VarianceEnvActor).remote()
-    buf = ray.remote(TrajectoryBuffer).remote({"group_size": 2, "groups_per_batch": 2,
-                                               "max_staleness": 0, "filter_zero_variance": True})
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+                    max_staleness=0, max_in_flight_groups=4, filter_zero_variance=True)
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
     ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
-        {"task_paths": [tasks_file], "group_size": 2, "groups_per_batch": 2, "max_staleness": 0,
-         "max_in_flight_groups": 4}, [env], buf, pub)
+        train, 1, [env], buf, pub)
     ray.get(ctl.start.remote())
     batch = ray.get(buf.next_batch.remote(0, 1, 20.0))
     assert batch is not None and {s.task_id for s in batch.samples} <= {"t1", "t3"}

@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from rl360.recipe import SandboxLimits
+
 log = logging.getLogger(__name__)
 
 
@@ -28,33 +30,6 @@ class SandboxError(RuntimeError):
 
 class SandboxStartError(SandboxError):
     """The sandbox could not be started."""
-
-
-class SandboxLimits(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """Caps for one sandbox. Memory covers every process of the sandbox together with the files
-    it keeps in its RAM-backed work dir and /tmp (where the backend stores them in RAM)."""
-
-    cpu_seconds: int = 30  # CPU time per exec'd process (RLIMIT_CPU)
-    memory_mb: int = 1024  # whole sandbox (cgroup) or per process (rlimit), see protections
-    max_procs: int = 64  # processes + threads of the sandbox at once
-    disk_mb: int = 256  # size of the writable work dir
-    tmp_mb: int = 64  # size of the private /tmp
-    output_bytes: int = 65536  # kept per stream per exec (head and tail); the rest is dropped
-    timeout: float = 30.0  # default wall-clock timeout of one exec, seconds
-    network: bool = False
-    cpus: float | None = None  # CPU bandwidth (cgroup cpu controller) where available
-    # scheduling niceness of everything in the sandbox: model-written code yields the CPU to
-    # the engines and trainers of the same host (a burst of gradings must not starve them)
-    nice: int = 10
-
-    def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "memory_mb", "max_procs", "disk_mb", "tmp_mb"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
-        if self.output_bytes < 0 or self.timeout <= 0:
-            raise ValueError("SandboxLimits.output_bytes must be >= 0 and timeout > 0")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"SandboxLimits.nice must be in 0..19, got {self.nice}")
 
 
 class ExecResult(msgspec.Struct, omit_defaults=True):
