@@ -198,6 +198,41 @@ class ClusterSection(_S):
     env_role: Literal["service", "rollout"] = "rollout"  # where env actors (sandboxes) run
 
 
+class ObjectStoreSync(_S, tag_field="transport", tag="object_store"):
+    """[train.weight_sync] transport = "object_store": trainer rank 0 puts its state dict in
+    the Ray object store once; every engine replica fetches it (CPU; the default)."""
+
+
+class CollectiveSync(_S, tag_field="transport", tag="collective"):
+    """[train.weight_sync] transport = "collective": a gloo (CPU) or NCCL (GPU) group of
+    trainer rank 0 and every engine replica.
+
+    backend: "gloo" (CPU tensors, any machine) or "nccl" (GPU tensors, trainer rank 0 and the
+      engine workers each on their own GPU).
+    bucket_mb: tensors are sent in buckets of at most this many MB (one bigger tensor is a
+      bucket of its own); bounds the extra GPU memory of a sync to one bucket.
+    layout: "flat" packs a bucket into one buffer per dtype (our own receivers); "per_tensor"
+      broadcasts each tensor of a bucket in order (what SGLang's and vLLM's
+      update_weights_from_distributed receive). "auto" picks by engine backend (and, with
+      gloo, keeps the original unbucketed path: one flat buffer per dtype).
+    checksum: after a sync, engines report per-tensor checksums of what they now serve; the
+      sender compares them with its own and reports every mismatch by name (debug: costs a
+      pass over the weights on both sides).
+    ipc: "auto" uses CUDA IPC handles instead of NCCL when the sender and an engine share one
+      physical GPU (NCCL cannot put two ranks on one device); "never" forbids it.
+    """
+
+    backend: Literal["gloo", "nccl"] = "gloo"
+    bucket_mb: Annotated[float, Meta(gt=0.0)] = 512.0
+    layout: Literal["auto", "flat", "per_tensor"] = "auto"
+    checksum: bool = False
+    ipc: Literal["auto", "never"] = "auto"
+    group_name: str = "rl360-weights"
+
+
+WeightSync = ObjectStoreSync | CollectiveSync
+
+
 class TrainSection(_S):
     init: str = ""  # the policy to start from (e.g. `rl360 sft`'s output); "" = model.path
     tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
@@ -213,12 +248,9 @@ class TrainSection(_S):
     tail_keep: NonNegInt = 0  # > 0: cancel slow groups once all but this many are done
     tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
     sync_every: PosInt = 1  # publish weights every k steps
-    weight_transport: Literal["object_store", "collective"] = "object_store"
-    # the collective transport (rl360.serve.weights.plan.SyncOptions): gloo on CPUs, NCCL on GPUs
-    weight_sync_backend: Literal["gloo", "nccl"] = "gloo"
-    weight_bucket_mb: Annotated[float, Meta(gt=0.0)] = 512.0
-    weight_sync_ipc: Literal["auto", "never"] = "auto"  # CUDA IPC when colocated on one GPU
-    weight_checksum: bool = False  # debug: engines' per-tensor checksums vs the trainer's
+    # how weights reach the engines: [train.weight_sync] transport = "object_store" (default)
+    # or "collective" (with backend, bucket_mb, layout, checksum, ipc)
+    weight_sync: WeightSync = msgspec.field(default_factory=ObjectStoreSync)
     # wall-clock budget of the whole run (start-up included): after the step that crosses it
     # the run checkpoints and ends as if it had reached `steps`; 0 = no limit
     max_minutes: NonNegFloat = 0.0

@@ -16,15 +16,14 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
     import ray
 
     from rl360.actors.trainer_group import TrainerGroup
-    from rl360.recipe import TrainerSection
-    from rl360.serve.weights.plan import SyncOptions
+    from rl360.recipe import CollectiveSync, TrainerSection
     from rl360.serve.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
         trainer = TrainerGroup(TrainerSection(num_cpus=0), tiny_dir)
         try:
             transport = CollectiveTransport(handles, trainer.workers[0], 1,
-                                            options=SyncOptions(checksum=True))
+                                            options=CollectiveSync(checksum=True))
             assert transport.publish(1)
             assert ray.get(handles.publisher.wait_applied.remote(1, 1, 120.0)) == 1
             [report] = transport.last_reports
@@ -46,14 +45,13 @@ def test_planned_bucketed_sync_over_gloo(ray_cluster, tiny_dir: Path, layout: st
     import ray
 
     from rl360.actors.trainer_group import TrainerGroup
-    from rl360.recipe import TrainerSection
-    from rl360.serve.weights.plan import SyncOptions
+    from rl360.recipe import CollectiveSync, TrainerSection
     from rl360.serve.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
         trainer = TrainerGroup(TrainerSection(num_cpus=0), tiny_dir)
         try:
-            opts = SyncOptions(layout=layout, bucket_mb=0.02, checksum=True)
+            opts = CollectiveSync(layout=layout, bucket_mb=0.02, checksum=True)
             transport = CollectiveTransport(handles, trainer.workers[0], 1, options=opts)
             for version in (1, 2):
                 assert transport.publish(version)

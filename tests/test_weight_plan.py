@@ -3,13 +3,18 @@ name mapping, and per-tensor checksums that find a corrupted tensor by name."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 import torch
 
+from rl360.recipe import (
+    CollectiveSync,
+    ObjectStoreSync,
+    RecipeError,
+    checked,
+    decode_recipe,
+)
 from rl360.serve.weights.plan import (
     NameMap,
-    SyncOptions,
     bucket_bytes,
     check_names,
     checksum_state,
@@ -51,9 +56,19 @@ def test_bad_plans_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="unknown dtype"):
         plan_buckets([("x", [2], "torch.complex64")], 4)
     with pytest.raises(ValueError, match="bucket_mb"):
-        SyncOptions(bucket_mb=-1)
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"backend": "mpi"}, SyncOptions)
+        checked(CollectiveSync, bucket_mb=-1)
+    with pytest.raises(ValueError, match="backend"):
+        checked(CollectiveSync, backend="mpi")
+
+
+def test_weight_sync_is_a_tagged_union_in_the_recipe() -> None:
+    r = decode_recipe({"train": {"weight_sync": {"transport": "collective", "backend": "nccl",
+                                                 "bucket_mb": 64}}})
+    assert isinstance(r.train.weight_sync, CollectiveSync)
+    assert (r.train.weight_sync.backend, r.train.weight_sync.bucket_mb) == ("nccl", 64)
+    assert isinstance(decode_recipe({}).train.weight_sync, ObjectStoreSync)
+    with pytest.raises(RecipeError, match="weight_sync"):  # collective keys on the object store
+        decode_recipe({"train": {"weight_sync": {"transport": "object_store", "backend": "nccl"}}})
 
 
 def test_name_map_strips_wrappers_renames_and_drops() -> None:

@@ -85,11 +85,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     from rl360.launch.paths import resolve_run_paths
     from rl360.launch.stack import running_stack
     from rl360.policies.loading import resolve_model_path
-    from rl360.serve.weights.transports import (
-        CollectiveTransport,
-        ObjectStoreTransport,
-        sync_options,
-    )
+    from rl360.serve.weights.transports import build_transport
 
     if note := resolve_run_paths(recipe):
         print(note, file=sys.stderr)
@@ -133,11 +129,7 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
         serving = stack.serving
         actors = start_train_actors(recipe, stack, ckpt / "model" if ckpt else model_path)
         trainer, buffer, controller = actors.trainer, actors.buffer, actors.controller
-        if tr.weight_transport == "collective":
-            transport: Any = CollectiveTransport(serving, trainer.workers[0], recipe.engine.replicas,
-                                                 options=sync_options(tr))
-        else:
-            transport = ObjectStoreTransport(serving, trainer)
+        transport = build_transport(tr.weight_sync, serving, trainer, recipe.engine.replicas)
         sink = MetricsSink(run_dir, recipe.run.name, tr.steps, tr.wandb,
                            msgspec.to_builtins(recipe), resume=ckpt is not None)
         try:

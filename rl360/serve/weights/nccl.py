@@ -6,7 +6,7 @@ after the group), made the way SGLang's and vLLM's `init_weights_update_group` m
 trainer rank 0 (rank 0), our own receivers and SGLang's TP workers (ranks rank_offset..) can all
 be members of one group. It never touches the default process group of either side.
 
-Layouts (rl360.serve.weights.plan.SyncOptions.layout):
+Layouts (rl360.recipe.CollectiveSync.layout):
 - "per_tensor": each tensor of a bucket is broadcast on its own, in spec order; what SGLang's
   `update_weights_from_distributed(names, dtypes, shapes)` receives (one call per bucket).
 - "flat": a bucket is packed into one buffer per dtype (fewer, larger NCCL calls); for our own
@@ -48,7 +48,7 @@ log = logging.getLogger("rl360.weights.nccl")
 def require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise RuntimeError(f"{what} needs a CUDA GPU (torch.cuda.is_available() is False); "
-                           "use train.weight_sync_backend='gloo' on CPU machines")
+                           "use train.weight_sync.backend='gloo' on CPU machines")
 
 
 def gpu_uuid(device: int | None = None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -26,36 +26,6 @@ DTYPE_BYTES: dict[str, int] = {
     "torch.int64": 8, "torch.int32": 4, "torch.int16": 2, "torch.int8": 1, "torch.uint8": 1,
     "torch.bool": 1, "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1,
 }
-
-
-class SyncOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """How a collective weight sync moves bytes (recipe: train.weight_sync_*).
-
-    backend: "gloo" (CPU tensors, any machine) or "nccl" (GPU tensors, trainer rank 0 and the
-      engine workers each on their own GPU).
-    bucket_mb: tensors are sent in buckets of at most this many MB (one bigger tensor is a
-      bucket of its own); bounds the extra GPU memory of a sync to one bucket.
-    layout: "flat" packs a bucket into one buffer per dtype (our own receivers); "per_tensor"
-      broadcasts each tensor of a bucket in order (what SGLang's and vLLM's
-      update_weights_from_distributed receive). "auto" picks by engine backend (and, with
-      gloo, keeps the original unbucketed path: one flat buffer per dtype).
-    checksum: after a sync, engines report per-tensor checksums of what they now serve; the
-      sender compares them with its own and reports every mismatch by name (debug: costs a
-      pass over the weights on both sides).
-    ipc: "auto" uses CUDA IPC handles instead of NCCL when the sender and an engine share one
-      physical GPU (NCCL cannot put two ranks on one device); "never" forbids it.
-    """
-
-    backend: Literal["gloo", "nccl"] = "gloo"
-    bucket_mb: float = 512.0
-    layout: Literal["auto", "flat", "per_tensor"] = "auto"
-    checksum: bool = False
-    ipc: Literal["auto", "never"] = "auto"
-    group_name: str = "rl360-weights"
-
-    def __post_init__(self) -> None:
-        if self.bucket_mb <= 0:
-            raise ValueError(f"weight sync bucket_mb must be > 0, got {self.bucket_mb}")
 
 
 def numel(shape: Iterable[int]) -> int:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 
 import torch
 
+from rl360.recipe import CollectiveSync, WeightSync
+
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64)}
 
 
@@ -103,7 +105,8 @@ class ObjectStoreTransport:
 
 class CollectiveTransport:
     """Broadcast from a sender holding the weights to every engine replica: over gloo (CPU), or
-    on GPUs over NCCL / CUDA IPC (rl360.serve.weights.nccl) as `options` (SyncOptions) say.
+    on GPUs over NCCL / CUDA IPC (rl360.serve.weights.nccl) as `options` (the recipe's
+    CollectiveSync) say.
 
     `sender` is anything with `open_group(host, port, world)` and `send_weights()` remote
     methods (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths and the
@@ -111,12 +114,10 @@ class CollectiveTransport:
     `release_weight_ipc` and `weight_checksums` (rl360.actors.trainer_group.TrainerWorker)."""
 
     def __init__(self, serving: Any, sender: Any, replicas: int, host: str = "127.0.0.1",
-                 options: Any = None) -> None:
-        from rl360.serve.weights.plan import SyncOptions
-
+                 options: CollectiveSync | None = None) -> None:
         self.serving, self.sender = serving, sender
         self.replicas, self.host = replicas, host
-        self.options: SyncOptions = options or SyncOptions()
+        self.options = options or CollectiveSync()
         self.port = 0
         self.spec: list[tuple[str, list[int], str]] | None = None
         self.last_reports: list[Any] = []  # SyncReport per replica after a checked sync
@@ -168,7 +169,7 @@ class CollectiveTransport:
             raise RuntimeError(
                 f"engine replicas {shared} share GPU {sender_gpu} with trainer rank 0: NCCL "
                 "cannot put two ranks on one GPU. Colocate every replica with rank 0 (CUDA IPC, "
-                "train.weight_sync_ipc='auto') or give the engines GPUs of their own")
+                "train.weight_sync.ipc='auto') or give the engines GPUs of their own")
         self.spec = ray.get(self.sender.weight_spec.remote())
         layout = o.layout
         if layout == "auto":
@@ -236,12 +237,9 @@ class CollectiveTransport:
         return out
 
 
-def sync_options(train: Any) -> Any:
-    """SyncOptions from a recipe's [train] section (weight_sync_* keys)."""
-    from rl360.serve.weights.plan import SyncOptions
-
-    return SyncOptions(backend=train.weight_sync_backend, bucket_mb=train.weight_bucket_mb,
-                       checksum=train.weight_checksum, ipc=train.weight_sync_ipc)
-
-
-TRANSPORTS = {"object_store": ObjectStoreTransport, "collective": CollectiveTransport}
+def build_transport(sync: WeightSync, serving: Any, trainer: Any, replicas: int) -> WeightTransport:
+    """The transport of the recipe's [train.weight_sync] for a trainer group and `replicas`
+    engine replicas (the collective sender is the group's rank 0)."""
+    if isinstance(sync, CollectiveSync):
+        return CollectiveTransport(serving, trainer.workers[0], replicas, options=sync)
+    return ObjectStoreTransport(serving, trainer)
