@@ -70,7 +70,7 @@ def main() -> None:
 
     import ray
 
-    from rl360.launch.cluster import ray_session
+    from rl360.ray_session import ray_session
     from rl360.launch.serve_app import start_serving, stop_serving
     from rl360.policies.loading import resolve_model_path
     from rl360.recipe import apply_overrides, decode_recipe

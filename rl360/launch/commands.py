@@ -23,8 +23,8 @@ def _banner(recipe: Recipe, base_url: str, dashboard: str) -> str:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from rl360.launch.cluster import STOP
     from rl360.launch.stack import running_stack
+    from rl360.ray_session import STOP
 
     recipe = load_recipe(args.recipe, args.overrides)
     with running_stack(recipe, env_actors=False) as stack:

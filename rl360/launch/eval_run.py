@@ -105,7 +105,7 @@ def collect(refs: list[Any], desc: str) -> list[Trajectory]:
     import ray
     from tqdm import tqdm
 
-    from rl360.launch.cluster import STOP
+    from rl360.ray_session import STOP
 
     out: list[Trajectory] = []
     pending = list(refs)

@@ -160,7 +160,7 @@ def _loop(recipe: Recipe, run_dir: Path, trainer: Any, serving: Any, transport: 
           deadline: float | None = None) -> None:
     import ray
 
-    from rl360.launch.cluster import STOP
+    from rl360.ray_session import STOP
 
     tr = recipe.train
     last_engine: dict[str, dict[str, Any]] = {}

@@ -10,10 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rl360.merge import recipe as R
 from rl360.merge.errors import MergeError
+from rl360.merge.evaluators import recipe_evaluator
+from rl360.merge.greedy import greedy_soup
+from rl360.merge.report import Summary
+from rl360.merge.runner import merge_checkpoints
 
 DESCRIPTION = (
     "Merge RL expert checkpoints of one base model (soup, greedy soup, task arithmetic, TIES, "
@@ -44,9 +50,24 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_args)
 
 
-def run_args(args: argparse.Namespace) -> int:
-    from rl360.merge.recipe import load_recipe
+def run_recipe(
+    recipe: R.Recipe,
+    ray: bool | None = None,
+    progress: bool | None = None,
+    evaluator: Callable[[Path], float] | None = None,
+) -> Summary:
+    """Run a validated recipe (greedy soup goes through `greedy.greedy_soup`)."""
+    if isinstance(recipe.method, R.GreedySoup):
+        score = evaluator or recipe_evaluator(recipe.method.evaluator, recipe.method.metric)
+        return greedy_soup(
+            recipe.base, recipe.experts, score, recipe.output, recipe.run, ray, progress
+        )
+    return merge_checkpoints(
+        recipe.base, recipe.experts, recipe.method, recipe.output, recipe.run, ray, progress
+    )
 
+
+def run_args(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.out:
         overrides.append(f"output.dir={json.dumps(args.out)}")
@@ -55,9 +76,7 @@ def run_args(args: argparse.Namespace) -> int:
     if args.overwrite:
         overrides.append("output.overwrite=true")
     try:
-        recipe = load_recipe(args.recipe, overrides)
-        from rl360.merge.runner import run_recipe
-
+        recipe = R.load_recipe(args.recipe, overrides)
         summary = run_recipe(recipe, ray=args.ray, progress=False if args.no_progress else None)
     except MergeError as e:
         print(f"rl360 merge: error: {e}", file=sys.stderr)

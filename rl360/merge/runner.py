@@ -100,7 +100,7 @@ def _execute_with_ray(job: Job, method: Method, progress: bool) -> Stats:
 
     if ray.is_initialized():
         return execute(job, method, True, progress)
-    from rl360.launch.cluster import ray_session
+    from rl360.ray_session import ray_session
 
     with ray_session(dashboard=False, namespace="rl360-merge"):
         return execute(job, method, True, progress)
@@ -176,23 +176,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def run_recipe(
-    recipe: R.Recipe,
-    ray: bool | None = None,
-    progress: bool | None = None,
-    evaluator: Callable[[Path], float] | None = None,
-) -> Summary:
-    """Run a validated recipe (greedy soup goes through `greedy.greedy_soup`)."""
-    if isinstance(recipe.method, R.GreedySoup):
-        from rl360.merge.evaluators import recipe_evaluator
-        from rl360.merge.greedy import greedy_soup
-
-        score = evaluator or recipe_evaluator(recipe.method.evaluator, recipe.method.metric)
-        return greedy_soup(
-            recipe.base, recipe.experts, score, recipe.output, recipe.run, ray, progress
-        )
-    return merge_checkpoints(
-        recipe.base, recipe.experts, recipe.method, recipe.output, recipe.run, ray, progress
-    )

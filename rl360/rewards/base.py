@@ -42,8 +42,6 @@ class RewardFn(Protocol):
     def __call__(self, ctx: RewardContext) -> Reward: ...
 
 
-REWARDS: dict[str, Callable[..., RewardFn]] = {}
-
 _errors: Counter[str] = Counter()
 _errors_lock = threading.Lock()
 
@@ -52,14 +50,6 @@ def reward_error_counts() -> dict[str, int]:
     """How many times each reward function raised (or returned garbage) in this process."""
     with _errors_lock:
         return dict(_errors)
-
-
-def register_reward(name: str) -> Callable[[Callable[..., RewardFn]], Callable[..., RewardFn]]:
-    def deco(factory: Callable[..., RewardFn]) -> Callable[..., RewardFn]:
-        REWARDS[name] = factory
-        return factory
-
-    return deco
 
 
 def _as_reward(out: object, name: str) -> Reward:
@@ -100,16 +90,3 @@ class Guarded:
 
 def guarded(fn: RewardFn | Callable[[RewardContext], Reward]) -> Guarded:
     return fn if isinstance(fn, Guarded) else Guarded(fn)
-
-
-def build_reward(name: str, **params: Any) -> Guarded:
-    """Build the registered reward `name` with `params`, guarded against raising."""
-    from rl360.rewards import graders  # noqa: F401  (registers the built-ins)
-
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)}")
-    try:
-        fn = REWARDS[name](**params)
-    except TypeError as e:
-        raise ValueError(f"bad parameters for reward {name!r} {params}: {e}") from None
-    return guarded(fn)

@@ -3,11 +3,12 @@ weighted composition of any of them."""
 
 from __future__ import annotations
 
+import importlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rl360.rewards.base import Guarded, RewardContext, RewardFn, build_reward, register_reward
+from rl360.rewards.base import Guarded, RewardContext, RewardFn, guarded
 from rl360.types import Reward
 
 _BOXED = "\\boxed{"
@@ -42,7 +43,6 @@ def normalize_answer(text: str) -> str:
     return s.rstrip(_TRAILING_PUNCT).strip()
 
 
-@register_reward("tests_passed")
 class TestsPassed:
     """Fraction of tests passed (0 when there are none)."""
 
@@ -55,7 +55,6 @@ class TestsPassed:
         return Reward(value=frac, components={"tests_passed": frac, "all_pass": all_pass})
 
 
-@register_reward("all_pass")
 class AllPass:
     """1 when every test passed (and there was at least one), else 0."""
 
@@ -66,7 +65,6 @@ class AllPass:
         return Reward(value=ok, components={"all_pass": ok})
 
 
-@register_reward("exact_answer")
 class ExactAnswer:
     """1 when the normalised answer equals a normalised reference (ctx.reference or the
     `reference` parameter), else 0."""
@@ -85,7 +83,6 @@ class ExactAnswer:
         return Reward(value=hit, components={"exact": hit})
 
 
-@register_reward("format_penalty")
 class FormatPenalty:
     """-penalty when the episode had malformed tool calls, no final answer, or an answer in the
     wrong format; 0 otherwise. With per_malformed > 0 the penalty grows with the number of
@@ -121,7 +118,6 @@ class FormatPenalty:
 Term = tuple[RewardFn | Guarded, float]
 
 
-@register_reward("weighted")
 class Weighted:
     """sum(weight * term.value). Terms come as `terms=[{"name": ..., "weight": ..., **params}]`,
     as `terms={"name": weight}`, or as (reward_fn, weight) pairs. Each term is guarded on its
@@ -169,3 +165,33 @@ class Weighted:
         if errors:
             components["reward_error"] = errors
         return Reward(value=total, components=components, info=info)
+
+
+# name -> factory of the built-in rewards; a recipe may also name "package.module:Factory"
+REWARDS: dict[str, Callable[..., RewardFn]] = {
+    "tests_passed": TestsPassed,
+    "all_pass": AllPass,
+    "exact_answer": ExactAnswer,
+    "format_penalty": FormatPenalty,
+    "weighted": Weighted,
+}
+
+
+def build_reward(name: str, **params: Any) -> Guarded:
+    """The reward `name` (a built-in of REWARDS or "package.module:Factory") with `params`,
+    guarded against raising."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward {name!r} cannot be imported: {e}") from None
+    elif name in REWARDS:
+        factory = REWARDS[name]
+    else:
+        raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)} or 'package.module:Factory'")
+    try:
+        fn = factory(**params)
+    except TypeError as e:
+        raise ValueError(f"bad parameters for reward {name!r} {params}: {e}") from None
+    return guarded(fn)

@@ -352,8 +352,8 @@ def bench_recipe(engine: str, model: str, port: int) -> Any:
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from bench.serve_overhead import through_server
-    from rl360.launch.cluster import ray_session
     from rl360.launch.serve_app import start_serving, stop_serving
+    from rl360.ray_session import ray_session
     from rl360.serve.weights.transports import free_port
 
     raw = asyncio.run(raw_tps(args.engine, args.model, args.sessions, args.requests,

@@ -1,19 +1,21 @@
 """Sandboxes: bwrap (default on Linux), process (fallback), docker (where an engine runs)."""
 
 from rl360.envs.sandbox.base import (
-    SANDBOXES,
     ExecResult,
     Protections,
     Sandbox,
     SandboxError,
     SandboxFileError,
-    SandboxLimits,
     SandboxStartError,
+)
+from rl360.envs.sandbox.factory import (
+    SANDBOXES,
     available_backends,
     build_sandbox,
     resolve_backend,
     unavailable_reason,
 )
+from rl360.recipe import SandboxLimits
 
 __all__ = [
     "SANDBOXES",

@@ -5,16 +5,16 @@ sandbox's work dir and returns an `ExecResult`; `write_file` / `read_file` move 
 kills every process the sandbox started and frees what it used. Paths are inside the sandbox:
 a relative path is relative to `Sandbox.workdir`.
 
-Backends register in `SANDBOXES`; `build_sandbox("auto", limits)` picks bwrap where bubblewrap
-works and the process fallback elsewhere.
+The backends are listed in `rl360.envs.sandbox.factory.SANDBOXES`; `build_sandbox("auto",
+limits)` picks bwrap where bubblewrap works and the process fallback elsewhere.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import ClassVar
 
 import msgspec
 
@@ -124,63 +124,3 @@ class Sandbox(abc.ABC):
 
 class SandboxFileError(OSError):
     """A file op inside the sandbox failed (missing file, no space, read-only path)."""
-
-
-# ----------------------------------------------------------------------------- factory
-
-SandboxFactory = Callable[..., Sandbox]
-SANDBOXES: dict[str, SandboxFactory] = {}
-AVAILABLE: dict[str, Callable[[], str | None]] = {}  # backend -> probe returning why not, or None
-
-
-def register_sandbox(
-    name: str, factory: SandboxFactory, unavailable: Callable[[], str | None]
-) -> None:
-    SANDBOXES[name] = factory
-    AVAILABLE[name] = unavailable
-
-
-def _load_backends() -> None:
-    if SANDBOXES:
-        return
-    from rl360.envs.sandbox import bwrap, docker, process  # noqa: F401  (they register)
-
-
-def unavailable_reason(backend: str) -> str | None:
-    """Why `backend` cannot run on this host, or None when it can."""
-    _load_backends()
-    if backend not in AVAILABLE:
-        raise ValueError(f"unknown sandbox backend {backend!r}; known: {sorted(SANDBOXES)}")
-    return AVAILABLE[backend]()
-
-
-def available_backends() -> list[str]:
-    _load_backends()
-    return [name for name in SANDBOXES if AVAILABLE[name]() is None]
-
-
-def resolve_backend(backend: str) -> str:
-    """ "auto" -> bwrap when bubblewrap works here, else process."""
-    if backend != "auto":
-        return backend
-    return "bwrap" if unavailable_reason("bwrap") is None else "process"
-
-
-def build_sandbox(
-    backend: str = "auto",
-    limits: SandboxLimits | None = None,
-    workdir: str | None = None,
-    **options: Any,
-) -> Sandbox:
-    """Build an (unstarted) sandbox. `workdir` is the writable directory where commands start:
-    a path inside the sandbox for bwrap/docker (default /sandbox), a host directory for the
-    process backend (default a fresh private temp dir). Backend options (e.g. scratch_dirs,
-    image) pass through."""
-    _load_backends()
-    name = resolve_backend(backend)
-    if name not in SANDBOXES:
-        raise ValueError(f"unknown sandbox backend {backend!r}; known: auto, {sorted(SANDBOXES)}")
-    why = AVAILABLE[name]()
-    if why is not None:
-        raise SandboxStartError(f"sandbox backend {name!r} is unavailable here: {why}")
-    return SANDBOXES[name](limits=limits or SandboxLimits(), workdir=workdir, **options)

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from rl360.envs.sandbox.base import SandboxLimits, register_sandbox
+from rl360.envs.sandbox.base import SandboxLimits
 from rl360.envs.sandbox.cgroups import SandboxCgroups
 from rl360.envs.sandbox.channel import SERVER_SOURCE
 from rl360.envs.sandbox.interp import reachable_by_others, resolve_python
@@ -273,6 +273,3 @@ class BwrapSandbox(ServedSandbox):
 
     async def host_pids(self) -> list[int]:
         return self._cg.pids() if self._cg is not None else []
-
-
-register_sandbox("bwrap", BwrapSandbox, bwrap_unavailable)

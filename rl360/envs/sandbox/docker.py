@@ -27,7 +27,6 @@ from rl360.envs.sandbox.base import (
     SandboxFileError,
     SandboxLimits,
     SandboxStartError,
-    register_sandbox,
 )
 from rl360.envs.sandbox.channel import shell_argv
 
@@ -252,6 +251,3 @@ class DockerSandbox(Sandbox):
             rc, _, err, _ = await self._run("rm", "-f", self.container, limit_s=60.0)
             if rc != 0:
                 raise SandboxError(f"docker rm -f {self.container}: {err.data.decode().strip()}")
-
-
-register_sandbox("docker", DockerSandbox, docker_unavailable)

@@ -21,7 +21,7 @@ import shutil
 import signal
 import tempfile
 
-from rl360.envs.sandbox.base import SandboxLimits, register_sandbox
+from rl360.envs.sandbox.base import SandboxLimits
 from rl360.envs.sandbox.channel import SERVER_SOURCE
 from rl360.envs.sandbox.interp import resolve_python
 from rl360.envs.sandbox.served import ServedSandbox, warn_once
@@ -117,6 +117,3 @@ class ProcessSandbox(ServedSandbox):
 
     async def host_pids(self) -> list[int]:
         return await asyncio.to_thread(_marked_pids, self.sandbox_id)
-
-
-register_sandbox("process", ProcessSandbox, lambda: None)

@@ -38,10 +38,6 @@ class StopFlag:
 STOP = StopFlag()
 
 
-def local_ray_env() -> dict[str, str]:
-    return dict(LOCAL_ENV)
-
-
 @contextlib.contextmanager
 def ray_session(
     address: str = "",
