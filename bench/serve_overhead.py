@@ -85,8 +85,8 @@ def main() -> None:
     d_tps = d_tok / d_s
     print(f"direct:  {d_tok} tokens in {d_s:.2f}s = {d_tps:.0f} tok/s")
 
-    from rl360.ray_session import ray_session
     from rl360.launch.serve_app import start_serving, stop_serving
+    from rl360.ray_session import ray_session
     from rl360.recipe import apply_overrides, decode_recipe
 
     recipe = decode_recipe(apply_overrides({}, [

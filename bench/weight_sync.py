@@ -70,9 +70,9 @@ def main() -> None:
 
     import ray
 
-    from rl360.ray_session import ray_session
     from rl360.launch.serve_app import start_serving, stop_serving
     from rl360.policies.loading import resolve_model_path
+    from rl360.ray_session import ray_session
     from rl360.recipe import apply_overrides, decode_recipe
     from rl360.serve.weights.transports import CollectiveTransport
 

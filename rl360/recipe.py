@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
+from msgspec import inspect as mi
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 Prob = Annotated[float, Meta(gt=0.0, le=1.0)]
+
+
+T = TypeVar("T", bound=msgspec.Struct)
 
 
 class _S(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -151,7 +156,7 @@ class LossSection(_S):
 
     def __post_init__(self) -> None:
         if 0 < self.tis_cap < 1:
-            raise ValueError(f"tis_cap must be 0 (off) or >= 1, got {self.tis_cap}")
+            raise ValueError(f"tis_cap: expected 0 (off) or >= 1, got {self.tis_cap}")
 
 
 class TrainerSection(_S):
@@ -292,46 +297,85 @@ class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the key and what is allowed."""
 
 
-_PATH_RE = re.compile(r" - at `\$\.?([^`]*)`$")
+# ----------------------------------------------------------------------------- loading
+# One loader for every recipe schema (this one and `rl360 merge`'s): TOML, `--set` overrides,
+# and one-line errors that name the dotted key, what it allows and what it got.
+
+_TYPE_NAMES = {"float": "a float", "int": "an int", "str": "a string", "bool": "a boolean",
+               "array": "a list", "object": "a table"}  # fmt: skip
 
 
-def _explain(exc: msgspec.ValidationError) -> str:
-    text = str(exc)
-    m = _PATH_RE.search(text)
-    path = ""
-    if m:
-        path = re.sub(r"\[(\d+)\]", r"[\1]", m.group(1))
-        text = text[: m.start()]
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", text)
-    if unknown:
-        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
-        return f"{key}: unknown key (check the spelling; see `rl360 recipe show` for all keys)"
-    allowed = _allowed(path)
-    return f"{path or '(top level)'}: {text[0].lower() + text[1:]}" + (
-        f" (allowed: {allowed})" if allowed else ""
-    )
-
-
-def _allowed(path: str) -> str:
-    """The bounds or choices the schema declares for a dotted path, as text."""
-    from msgspec import inspect as mi
-
-    info: Any = mi.type_info(Recipe)
-    for part in path.split(".") if path else []:
-        if not isinstance(info, mi.StructType):
-            return ""
-        field = next((f for f in info.fields if f.name == part), None)
-        if field is None:
-            return ""
-        info = field.type
+def _describe(info: Any) -> str:
+    """'a float in (0, 1]', 'an int >= 1', "one of 'a', 'b'" from msgspec type info."""
     if isinstance(info, mi.LiteralType):
-        return ", ".join(repr(v) for v in info.values)
-    if isinstance(info, mi.IntType | mi.FloatType):
-        lo = f"{info.ge} <= " if info.ge is not None else f"{info.gt} < " if info.gt is not None else ""
-        hi = f" <= {info.le}" if info.le is not None else f" < {info.lt}" if info.lt is not None else ""
-        kind = "an integer" if isinstance(info, mi.IntType) else "a number"
-        return f"{kind} {lo}x{hi}" if lo or hi else kind
-    return ""
+        return "one of " + ", ".join(repr(v) for v in info.values)
+    if isinstance(info, mi.ListType) and info.min_length:
+        return f"a list of at least {info.min_length} item(s)"
+    kind = {mi.FloatType: "a float", mi.IntType: "an int"}.get(type(info))
+    if kind is None:
+        return "a valid value"
+    lo = ("(", info.gt) if info.gt is not None else ("[", info.ge) if info.ge is not None else None
+    hi = (")", info.lt) if info.lt is not None else ("]", info.le) if info.le is not None else None
+    if lo and hi:
+        return f"{kind} in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
+    if lo:
+        return f"{kind} {'>' if lo[0] == '(' else '>='} {lo[1]:g}"
+    if hi:
+        return f"{kind} {'<' if hi[0] == ')' else '<='} {hi[1]:g}"
+    return kind
+
+
+def _lookup(schema: type, raw: Any, parts: list[str | int]) -> tuple[Any, Any, Any]:
+    """(msgspec type info, raw value, the tagged union passed through last) at a path."""
+    info: Any = mi.type_info(schema)
+    value: Any = raw
+    union: Any = None
+    for part in parts:
+        if isinstance(info, mi.UnionType):
+            union = info
+            structs = [t for t in info.types if isinstance(t, mi.StructType)]
+            tag_field = structs[0].tag_field if structs else None
+            tag = value.get(tag_field) if isinstance(value, dict) and tag_field else None
+            info = next((t for t in structs if t.tag == tag), None)
+        if isinstance(info, mi.ListType | mi.DictType) and isinstance(part, int):
+            info = info.item_type if isinstance(info, mi.ListType) else info.value_type
+            value = value[part] if isinstance(value, list) and part < len(value) else None
+        elif isinstance(info, mi.StructType):
+            info = next((f.type for f in info.fields if f.encode_name == part), None)
+            value = value.get(part) if isinstance(value, dict) else None
+        else:
+            return None, None, union
+    return info, value, union
+
+
+def explain(err: msgspec.ValidationError, raw: dict[str, Any], schema: type) -> str:
+    """One line for a validation error: the dotted key, what it allows, what it got."""
+    m = re.match(r"^(.*?)(?: - at `\$(.*)`)?$", str(err), re.DOTALL)
+    text, where = (m.group(1), m.group(2) or "") if m else (str(err), "")
+    parts: list[str | int] = [
+        int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", where)
+    ]
+    path = where.lstrip(".")
+    join = lambda key: f"{path}.{key}" if path else key  # noqa: E731
+    if u := re.match(r"Object contains unknown field `(.+)`", text):
+        return f"{join(u.group(1))}: unknown key"
+    if u := re.match(r"Object missing required field `(.+)`", text):
+        return f"{join(u.group(1))}: missing required key"
+    if parts and "Invalid value" in text:  # the tag of a tagged union (method.name, ...)
+        union, _, _ = _lookup(schema, raw, parts[:-1])
+        kind = str(parts[-2]) if len(parts) > 1 else "value"
+        tags = ([t.tag for t in union.types if isinstance(t, mi.StructType)]
+                if isinstance(union, mi.UnionType) else [])
+        return (f"{path}: unknown {kind} {text.split('Invalid value ')[1]} "
+                f"(choose from {', '.join(map(str, tags))})")
+    if (text.startswith("Expected") and "got" not in text) or "Invalid enum value" in text:
+        info, value, _ = _lookup(schema, raw, parts)
+        return f"{path}: expected {_describe(info)}, got {value!r}"
+    if g := re.match(r"Expected `(\w+)`.*, got `(\w+)`", text):
+        return f"{path}: expected {_TYPE_NAMES.get(g.group(1), g.group(1))}, got {g.group(2)}"
+    if path and ": " in text and not text.startswith(("Expected", "Invalid", "Object")):
+        return f"{path}.{text}"  # a __post_init__ message "key: reason"
+    return f"{path or '(top level)'}: {text[0].lower()}{text[1:]}"
 
 
 def parse_value(text: str) -> Any:
@@ -342,7 +386,7 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -358,35 +402,40 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def decode_recipe(data: dict[str, Any]) -> Recipe:
+def decode(data: dict[str, Any], schema: type[T]) -> T:
+    """`data` as `schema`, or a RecipeError naming the first bad key."""
     try:
-        return msgspec.convert(data, Recipe)
+        return msgspec.convert(data, schema)
     except msgspec.ValidationError as exc:
-        raise RecipeError(_explain(exc)) from None
+        raise RecipeError(explain(exc, data, schema)) from None
 
 
-T = TypeVar("T", bound=msgspec.Struct)
+def read_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise RecipeError(f"{p}: cannot read the recipe ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{p}: not valid TOML: {exc}") from None
+
+
+def load(path: str | Path, schema: type[T], overrides: Sequence[str] = ()) -> T:
+    """Read a TOML recipe of `schema`, apply `--set` overrides, check it."""
+    return decode(apply_overrides(read_toml(path), overrides), schema)
+
+
+def decode_recipe(data: dict[str, Any]) -> Recipe:
+    return decode(data, Recipe)
 
 
 def checked(cls: type[T], **values: Any) -> T:
     """A section built from keyword values and checked like a recipe's (bounds, choices,
     unknown keys): `checked(LossSection, name="gspo")`. Plain construction skips the bounds."""
-    try:
-        return msgspec.convert(values, cls)
-    except msgspec.ValidationError as exc:
-        raise RecipeError(f"{cls.__name__}: {exc}") from None
+    return decode(values, cls)
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    p = Path(path)
-    if not p.is_file():
-        raise RecipeError(f"recipe {str(p)!r} does not exist")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{p}: not valid TOML: {exc}") from None
-    return decode_recipe(apply_overrides(data, overrides or []))
-
-
-def recipe_to_toml_dict(recipe: Recipe) -> dict[str, Any]:
-    return msgspec.to_builtins(recipe)
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    return load(path, Recipe, overrides)

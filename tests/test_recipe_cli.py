@@ -21,11 +21,16 @@ def test_every_recipe_decodes(path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("engine.replicas=0", "engine.replicas: expected `int` >= 1 (allowed: an integer 1 <= x)"),
+        ("engine.replicas=0", "engine.replicas: expected an int >= 1, got 0"),
         ("engine.replica=2", "engine.replica: unknown key"),
-        ("eval.sampling.top_p=1.5", "eval.sampling.top_p"),
-        ("model.dtype='int4'", "allowed: 'bfloat16', 'float16', 'float32'"),
-        ("serve.port=70000", "allowed: an integer 1 <= x <= 65535"),
+        ("eval.sampling.top_p=1.5", "eval.sampling.top_p: expected a float in (0, 1], got 1.5"),
+        ("model.dtype='int4'",
+         "model.dtype: expected one of 'bfloat16', 'float16', 'float32', got 'int4'"),
+        ("serve.port=70000", "serve.port: expected an int in [1, 65535], got 70000"),
+        ("trainer.loss.tis_cap=0.5", "trainer.loss.tis_cap: expected 0 (off) or >= 1, got 0.5"),
+        ("train.weight_sync.transport='mpi'",
+         "train.weight_sync.transport: unknown weight_sync 'mpi' (choose from object_store, "
+         "collective)"),
     ],
 )
 def test_bad_values_name_the_key_and_range(override: str, expected: str) -> None:
@@ -72,5 +77,5 @@ def test_cli_reports_recipe_errors_in_one_line(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        "rl360: recipe error: engine.replicas: expected `int` >= 1 (allowed: an integer 1 <= x)"
+        "rl360: recipe error: engine.replicas: expected an int >= 1, got -1"
     ]

@@ -4,6 +4,7 @@ and with --calibrate the per-task pass rates and a task list inside a pass-rate 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -122,12 +123,16 @@ def collect(refs: list[Any], desc: str) -> list[Trajectory]:
     return out
 
 
+def eval_command(recipe: Recipe, args: argparse.Namespace) -> int:
+    """`rl360 eval recipe.toml [--model DIR] [--calibrate]`."""
+    if args.model:
+        recipe.model.path = args.model
+    return run_eval(recipe, calibrate=args.calibrate)
+
+
 def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
-    from rl360.launch.paths import resolve_run_paths
     from rl360.launch.stack import running_stack
 
-    if note := resolve_run_paths(recipe):
-        print(note, file=sys.stderr)
     tasks, refused = refuse_unrunnable(recipe, load_tasks(recipe))
     for why in refused:
         print(f"rl360: skipping: {why}", file=sys.stderr)

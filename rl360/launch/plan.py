@@ -30,7 +30,7 @@ from rl360.launch.placement import (
     plural,
     role_resource,
 )
-from rl360.recipe import ClusterRole, Recipe, load_recipe
+from rl360.recipe import ClusterRole, Recipe
 
 # ---------------------------------------------------------------------------- node lists
 
@@ -307,8 +307,7 @@ def render(plan: Plan, recipe: Recipe, path: str) -> str:
     return "\n".join(out)
 
 
-def plan_main(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+def plan_command(recipe: Recipe, args: argparse.Namespace) -> int:
     try:
         nodes, source = resolve_nodes(recipe, args.nodes, args.address)
         plan = plan_placement(recipe, nodes, source)

@@ -25,7 +25,7 @@ from typing import Literal
 
 import msgspec
 
-from rl360.recipe import Recipe, load_recipe
+from rl360.recipe import Recipe
 
 Status = Literal["ok", "warn", "fail", "skip"]
 DASHBOARD_PORT = 8265
@@ -242,8 +242,7 @@ def format_checks(checks: list[Check]) -> str:
     return "\n".join(f"{mark[c.status]}  {c.name:<8} {c.detail}" for c in checks)
 
 
-def preflight_main(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+def preflight_command(recipe: Recipe, args: argparse.Namespace) -> int:
     address = args.address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "")
     with contextlib.suppress(AttributeError):
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]

@@ -8,10 +8,12 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rl360.ray_session import STOP
 from rl360.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -46,6 +48,32 @@ class ServingHandles:
         import ray
 
         return ray.get(self.publisher.status.remote())
+
+
+def _banner(recipe: Recipe, base_url: str, dashboard: str) -> str:
+    lines = [
+        f"rl360: serving {recipe.model.path!r} with {recipe.engine.replicas} "
+        f"{recipe.engine.backend} engine replica(s)",
+        f"  OpenAI API       {base_url}/v1   (sessionless, nothing recorded)",
+        f"  open a session   curl -X POST {base_url}/sessions   -> id, token",
+        f"  session API      {base_url}/sessions/<id>/v1   (api_key=<token>)",
+        f"  trajectory       GET {base_url}/sessions/<id>/trajectory",
+    ]
+    if dashboard:
+        lines.append(f"  Ray dashboard    {dashboard}")
+    return "\n".join(lines)
+
+
+def serve_command(recipe: Recipe, args: argparse.Namespace) -> int:
+    """`rl360 serve recipe.toml [--duration S]`: engines + session server until Ctrl-C."""
+    from rl360.launch.stack import running_stack
+
+    with running_stack(recipe, env_actors=False) as stack:
+        print(_banner(recipe, stack.serving.base_url, stack.info["dashboard_url"]), flush=True)
+        deadline = time.monotonic() + args.duration if args.duration > 0 else None
+        while not STOP.requested and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.5)
+    return 0
 
 
 def start_serving(recipe: Recipe, placement: Placement | None = None,

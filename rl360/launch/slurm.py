@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from rl360.launch.placement import ROLES, is_cluster_recipe, node_resources
-from rl360.recipe import Recipe, load_recipe
+from rl360.recipe import Recipe
 
 TEMPLATE = Path(__file__).parent / "templates" / "slurm.sbatch"
 
@@ -260,8 +260,7 @@ def _options(args: argparse.Namespace) -> SlurmOptions:
                         setup=args.setup or default_setup(), workdir=os.getcwd())
 
 
-def slurm_main(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+def slurm_command(recipe: Recipe, args: argparse.Namespace) -> int:
     opts = _options(args)
     try:
         if args.dry_run:

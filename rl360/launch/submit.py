@@ -124,7 +124,7 @@ def on_interrupt(client: Any, job_id: str, address: str, interactive: bool) -> i
     return 130
 
 
-def submit_main(args: argparse.Namespace) -> int:
+def submit_command(args: argparse.Namespace) -> int:
     from ray.job_submission import JobSubmissionClient
 
     req = build_request(args.recipe, args.overrides, args.entrypoint_cmd, args.extra_args,

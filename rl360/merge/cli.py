@@ -1,7 +1,7 @@
 """`rl360 merge merge.toml`: merge expert checkpoints as a recipe says.
 
-The project CLI mounts it with `add_parser(subparsers)` (it sets `func`, which takes the parsed
-namespace and returns the exit status); `main(argv)` runs it standalone. Bad input prints one
+The project CLI (rl360/cli.py) lists it with `add_arguments` and `run_args` (parsed namespace
+-> exit status); `main(argv)` runs it standalone. Bad input prints one
 line on stderr and exits 2.
 """
 
@@ -12,7 +12,6 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rl360.merge import recipe as R
 from rl360.merge.errors import MergeError
@@ -27,7 +26,7 @@ DESCRIPTION = (
 )
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", type=Path, help="merge recipe (TOML), e.g. examples/merge/merge.toml")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key, e.g. --set method.density=0.3 (repeatable)")  # fmt: skip
@@ -41,13 +40,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-
-
-def add_parser(subparsers: Any) -> None:
-    """Register `merge` on the project CLI's subparsers."""
-    p = subparsers.add_parser("merge", help="merge expert checkpoints", description=DESCRIPTION)
-    _add_arguments(p)
-    p.set_defaults(func=run_args)
 
 
 def run_recipe(
@@ -93,7 +85,7 @@ def run_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rl360 merge", description=DESCRIPTION)
-    _add_arguments(parser)
+    add_arguments(parser)
     return run_args(parser.parse_args(argv))
 
 

@@ -1,4 +1,4 @@
-"""Pure per-tensor merge kernels (torch, fp32 in and out) following ../shared/merge-methods.md.
+"""Pure per-tensor merge kernels (torch, fp32 in and out) following docs/merge-methods.md.
 
 Every kernel takes the experts' task vectors tau_i = theta_i - theta_0 (same shape, fp32) and
 returns `Merged(delta, mass)`: the merged delta (add it to theta_0) and, per expert, the L1 mass

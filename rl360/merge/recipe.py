@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct, field
 
 from rl360.merge.errors import MergeError
+from rl360.recipe import RecipeError, decode, load
 
 Unit = Annotated[float, Meta(gt=0, le=1)]
 Positive = Annotated[float, Meta(gt=0)]
@@ -188,113 +187,18 @@ class Recipe(Struct, forbid_unknown_fields=True):
     run: Run = field(default_factory=Run)
 
 
-_TYPE_NAMES = {"float": "a float", "int": "an int", "str": "a string", "bool": "a boolean",
-               "array": "a list", "object": "a table"}  # fmt: skip
-
-
-def _describe(info: Any) -> str:
-    """'a float in (0, 1]', 'an int >= 1', "one of 'a', 'b'" from msgspec type info."""
-    from msgspec import inspect as mi
-
-    if isinstance(info, mi.LiteralType):
-        return "one of " + ", ".join(repr(v) for v in info.values)
-    if isinstance(info, mi.ListType) and info.min_length:
-        return f"a list of at least {info.min_length} item(s)"
-    kind = {mi.FloatType: "a float", mi.IntType: "an int"}.get(type(info))
-    if kind is None:
-        return "a valid value"
-    lo = ("(", info.gt) if info.gt is not None else ("[", info.ge) if info.ge is not None else None
-    hi = (")", info.lt) if info.lt is not None else ("]", info.le) if info.le is not None else None
-    if lo and hi:
-        return f"{kind} in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
-    if lo:
-        return f"{kind} {'>' if lo[0] == '(' else '>='} {lo[1]:g}"
-    if hi:
-        return f"{kind} {'<' if hi[0] == ')' else '<='} {hi[1]:g}"
-    return kind
-
-
-def _lookup(raw: Any, parts: list[str | int]) -> tuple[Any, Any]:
-    """(msgspec type info, raw value) at a path of the recipe, choosing the method by its tag."""
-    from msgspec import inspect as mi
-
-    info: Any = mi.type_info(Recipe)
-    value: Any = raw
-    for part in parts:
-        if isinstance(info, mi.UnionType):
-            tag = value.get("name") if isinstance(value, dict) else None
-            info = next((t for t in info.types if getattr(t, "tag", None) == tag), None)
-        if isinstance(info, mi.ListType) and isinstance(part, int):
-            info = info.item_type
-            value = value[part] if isinstance(value, list) and part < len(value) else None
-        elif isinstance(info, mi.StructType):
-            info = next((f.type for f in info.fields if f.encode_name == part), None)
-            value = value.get(part) if isinstance(value, dict) else None
-        else:
-            return None, None
-    return info, value
-
-
-def _format_error(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
-    msg = str(err)
-    m = re.match(r"^(.*?)(?: - at `\$(.*)`)?$", msg, re.DOTALL)
-    text, where = (m.group(1), m.group(2) or "") if m else (msg, "")
-    parts: list[str | int] = [
-        int(p[1:-1]) if p.startswith("[") else p for p in re.findall(r"\[\d+\]|[^.\[\]]+", where)
-    ]
-    path = where.lstrip(".")
-    join = lambda key: f"{path}.{key}" if path else key  # noqa: E731
-    if u := re.match(r"Object contains unknown field `(.+)`", text):
-        return f"{join(u.group(1))}: unknown key"
-    if u := re.match(r"Object missing required field `(.+)`", text):
-        return f"{join(u.group(1))}: missing required key"
-    if parts and parts[-1] == "name" and parts[:1] == ["method"] and "Invalid value" in text:
-        return f"method.name: unknown method {text.split('Invalid value ')[1]} (choose from {', '.join(METHOD_NAMES)})"
-    if (text.startswith("Expected") and "got" not in text) or "Invalid enum value" in text:
-        info, value = _lookup(raw, parts)
-        return f"{path}: expected {_describe(info)}, got {value!r}"
-    if g := re.match(r"Expected `(\w+)`.*, got `(\w+)`", text):
-        return f"{path}: expected {_TYPE_NAMES.get(g.group(1), g.group(1))}, got {g.group(2)}"
-    if path and ": " in text and not text.startswith(("Expected", "Invalid", "Object")):
-        return f"{path}.{text}"  # a __post_init__ message "key: reason"
-    return f"{path or '<recipe>'}: {text[0].lower()}{text[1:]}"
-
-
 def parse_recipe(raw: dict[str, Any]) -> Recipe:
     """Validate a recipe given as a dict (e.g. a parsed TOML table)."""
     try:
-        return msgspec.convert(raw, Recipe)
-    except msgspec.ValidationError as e:
-        raise MergeError(_format_error(e, raw)) from None
-
-
-def apply_override(raw: dict[str, Any], assignment: str) -> None:
-    """Apply `dotted.key=value` to a raw recipe; the value is TOML (a bare word is a string)."""
-    key, sep, text = assignment.partition("=")
-    if not sep or not key.strip():
-        raise MergeError(f"--set {assignment}: expected key=value")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    parts = key.strip().split(".")
-    node = raw
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise MergeError(f"--set {assignment}: {part} is not a table")
-    node[parts[-1]] = value
+        return decode(raw, Recipe)
+    except RecipeError as e:
+        raise MergeError(str(e)) from None
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    """Read and validate a merge recipe TOML file, after `key=value` overrides."""
-    p = Path(path)
+    """Read and validate a merge recipe TOML file, after `key=value` overrides (the project's
+    one recipe loader: same TOML reading, `--set` syntax and error lines)."""
     try:
-        raw = tomllib.loads(p.read_text())
-    except OSError as e:
-        raise MergeError(f"{p}: cannot read the recipe ({e.strerror or e})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise MergeError(f"{p}: invalid TOML ({e})") from None
-    for assignment in overrides:
-        apply_override(raw, assignment)
-    return parse_recipe(raw)
+        return load(path, Recipe, overrides)
+    except RecipeError as e:
+        raise MergeError(str(e)) from None

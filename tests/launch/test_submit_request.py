@@ -103,7 +103,7 @@ def test_submit_follow_interrupted(monkeypatch: pytest.MonkeyPatch,
                               entrypoint_cmd="eval",
                               extra_args="", working_dir=str(REPO), env=[], submission_id="j9",
                               address="127.0.0.1:8265", follow=True)
-    assert sub.submit_main(args) == 130
+    assert sub.submit_command(args) == 130
     out = capsys.readouterr()
     assert "rl360: submitted j9" in out.out and "http://127.0.0.1:8265/#/jobs/j9" in out.out
     assert "line 1" in out.out and "keeps running" in out.err

@@ -147,11 +147,9 @@ def test_cli_shape_mismatch_exit_2(tmp_path, capsys):
     assert "tensor w: shape [7] in expert 'e1' but [6] in the base" in err
 
 
-def test_add_parser_mounts_merge():
-    import argparse
+def test_the_project_cli_lists_merge():
+    from rl360 import cli as project_cli
 
-    parser = argparse.ArgumentParser(prog="rl360")
-    cli.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["merge", "r.toml", "--ray", "--set", "a=1"])
+    args = project_cli.build_parser().parse_args(["merge", "r.toml", "--ray", "--set", "a=1"])
     assert args.command == "merge" and args.ray is True and args.overrides == ["a=1"]
-    assert args.func is cli.run_args
+    assert project_cli.COMMANDS["merge"].handler == "rl360.merge.cli:run_args"

@@ -1,4 +1,4 @@
-"""The token ledger of one session (token-in, token-out). See ../shared/TITO.md.
+"""The token ledger of one session (token-in, token-out). See docs/TITO.md.
 
 A linear ledger: one chain of tokens per session. Each token carries its id, a loss mask
 (1 only on tokens the engine generated in this session), the sampling logprob and policy
