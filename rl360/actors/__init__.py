@@ -1,2 +1,3 @@
-"""Ray actors: rollout controller, trajectory buffer, trainer group, parameter broadcaster,
-env actor pool, metrics sink. Each module imports Ray (and its own heavy deps) itself."""
+"""Ray actors of a training run: the rollout controller, the trajectory buffer, the trainer
+group, the env actor pool (and its session client) and the metrics sink. The weight publisher
+lives with the rest of weight sync in rl360.serve.weights."""

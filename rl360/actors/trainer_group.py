@@ -14,7 +14,6 @@ nodes can read (one machine, or a shared filesystem).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -238,14 +237,6 @@ class TrainerGroup:
         """One optimizer step on the whole batch (blocking); merged metrics."""
         refs, _, _ = self._shards(batch)
         return self._merge(self._get(refs, "train_step"))
-
-    async def train_step_async(self, batch: Batch) -> dict[str, float]:
-        refs, _, _ = self._shards(batch)
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
-        except TimeoutError as exc:
-            raise TimeoutError(f"trainer group train_step took over {self.timeout_s}s") from exc
-        return self._merge(list(results))
 
     # ------------------------------------------------------------------ weights and state
 

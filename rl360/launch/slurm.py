@@ -121,10 +121,6 @@ def assign_roles(recipe: Recipe, hosts: list[str]) -> list[tuple[str, str]]:
     return list(zip(hosts, roles, strict=True))
 
 
-def _quote_args(args: list[str]) -> str:
-    return "".join(" " + shlex.quote(a) for a in args)
-
-
 def _srun(host: str, cpus: int, gpus: int) -> str:
     # --overlap: the batch step (this script, on the head) keeps its share of the node
     res = (f" --cpus-per-task={cpus}" if cpus else "") + (f" --gpus-per-task={gpus}" if gpus else "")

@@ -43,7 +43,7 @@ async def test_two_workers_step_like_one(ray_cluster, tiny_dir: Path, make_sampl
         b0, b1 = (Batch(samples=make_samples(9, seed=s, max_len=40, noise=0.3), step=s)
                   for s in (11, 12))
         m1 = one.train_step(b0)
-        m2 = await group.train_step_async(b0)
+        m2 = group.train_step(b0)
         tokens = sum(sum(s.mask) for s in b0.samples)
         assert m1["tokens"] == m2["tokens"] == m2["local_tokens"] == tokens
         assert m2["workers"] == 2.0 and m2["rank_token_imbalance"] < 1.2

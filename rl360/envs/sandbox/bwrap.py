@@ -17,7 +17,6 @@ binds of system paths (logged once).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import shlex
@@ -27,7 +26,7 @@ from collections.abc import Sequence
 
 from rl360.envs.sandbox.base import SandboxLimits
 from rl360.envs.sandbox.cgroups import SandboxCgroups
-from rl360.envs.sandbox.channel import SERVER_SOURCE
+from rl360.envs.sandbox.channel import server_argv
 from rl360.envs.sandbox.interp import reachable_by_others, resolve_python
 from rl360.envs.sandbox.served import ServedSandbox, warn_once
 
@@ -200,7 +199,7 @@ class BwrapSandbox(ServedSandbox):
             "workdir": self.workdir,
             "rlimits": {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0},
         }
-        args += ["--", self.python.executable, "-I", "-S", "-c", SERVER_SOURCE, json.dumps(config)]
+        args += ["--", *server_argv(self.python.executable, config)]
         if drop_uid:
             args = [
                 shutil.which("setpriv") or "setpriv",

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = "/sys/fs/cgroup"
 CONTROLLERS = ("pids", "memory", "cpu")
 
 

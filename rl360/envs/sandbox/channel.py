@@ -21,7 +21,8 @@ EXEC_GRACE_S = 10.0  # host-side safety margin over an exec's own timeout
 
 
 def server_argv(python: str, config: dict[str, Any]) -> list[str]:
-    """The command that starts the exec server with the given interpreter."""
+    """The command that starts the exec server with the given interpreter (isolated mode, no
+    site: nothing on the host's import path reaches it)."""
     return [python, "-I", "-S", "-c", SERVER_SOURCE, json.dumps(config)]
 
 

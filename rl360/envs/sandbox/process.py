@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -22,7 +21,7 @@ import signal
 import tempfile
 
 from rl360.envs.sandbox.base import SandboxLimits
-from rl360.envs.sandbox.channel import SERVER_SOURCE
+from rl360.envs.sandbox.channel import server_argv
 from rl360.envs.sandbox.interp import resolve_python
 from rl360.envs.sandbox.served import ServedSandbox, warn_once
 
@@ -84,7 +83,7 @@ class ProcessSandbox(ServedSandbox):
             "PYTHONDONTWRITEBYTECODE": "1",
             MARKER: self.sandbox_id,
         }
-        argv = [self.python.executable, "-I", "-S", "-c", SERVER_SOURCE, json.dumps(config)]
+        argv = server_argv(self.python.executable, config)
         p = self.protections
         p.cpu = f"RLIMIT_CPU {lim.cpu_seconds}s per process"
         p.memory = f"RLIMIT_AS {lim.memory_mb + 256} MiB per process (not the sandbox total)"

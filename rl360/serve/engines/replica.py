@@ -1,8 +1,9 @@
 """The engine Serve deployment: one backend per replica, behind the engine contract.
 
 Replicas are reached through a DeploymentHandle with `session_id` set, and the
-SessionAffinityRouter keeps a session on one replica. Weight updates go to every replica
-through `rl360.launch.serve_app.broadcast_weights` (the parameter broadcaster builds on it).
+SessionAffinityRouter keeps a session on one replica. Each replica follows the WeightPublisher
+actor (rl360.serve.weights.publisher.follow_weights) and applies every new version between
+generations.
 """
 
 from __future__ import annotations
