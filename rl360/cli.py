@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import msgspec
 
 from rl360 import __version__
+from rl360.launch.paths import resolve_run_paths
+from rl360.launch.placement import PlacementError
 from rl360.merge.cli import DESCRIPTION as MERGE_DESCRIPTION
 from rl360.merge.cli import add_arguments as merge_arguments
 from rl360.recipe import RecipeError, load_recipe
@@ -120,7 +122,7 @@ class Command:
 
 COMMANDS: dict[str, Command] = {
     "serve": Command("run the engines and the OpenAI-compatible session server",
-                     "rl360.launch.serve_app:serve_command", _serve_args),
+                     "rl360.launch.serve_run:serve_command", _serve_args),
     "eval": Command("run every task x attempts on the current policy",
                     "rl360.launch.eval_run:eval_command", _eval_args),
     "train": Command("fully asynchronous RL training (engines, envs, trainer)",
@@ -191,9 +193,6 @@ def _handler(spec: str) -> Callable[..., int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rl360.launch.paths import resolve_run_paths
-    from rl360.launch.placement import PlacementError
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -26,7 +26,10 @@ import msgspec
 import ray
 
 from rl360.policies.reducers import global_denominators
+from rl360.policies.trainer_backends import build_trainer
 from rl360.recipe import TrainerSection
+from rl360.serve.weights.nccl import WeightSender, gpu_uuid
+from rl360.serve.weights.transports import GlooGroup, tensor_spec
 from rl360.types import Batch, TrainSample
 
 if TYPE_CHECKING:
@@ -75,7 +78,6 @@ class TrainerWorker:
         import torch
         import torch.distributed as dist
 
-        from rl360.policies.trainer_backends import build_trainer
 
         torch.set_num_threads(self.threads)
         if self.world_size > 1:
@@ -103,14 +105,12 @@ class TrainerWorker:
 
     # collective weight sync (rank 0 is the sender; see rl360.serve.weights.transports)
     def weight_spec(self) -> list[tuple[str, list[int], str]]:
-        from rl360.serve.weights.transports import tensor_spec
 
         return tensor_spec(self.trainer.state_dict_for_sync())
 
     def open_group(self, host: str, port: int, world: int, backend: str = "gloo",
                    group_name: str = "") -> None:
         if not group_name:  # the CPU path: one gloo group, flat per-dtype buffers
-            from rl360.serve.weights.transports import GlooGroup
 
             self._weight_group = GlooGroup(host, port, 0, world)
             return
@@ -127,13 +127,11 @@ class TrainerWorker:
     # GPU weight sync (rl360.serve.weights.nccl) and its checksum debug option
     def _sender(self) -> Any:
         if getattr(self, "_weight_sender", None) is None:
-            from rl360.serve.weights.nccl import WeightSender
 
             self._weight_sender = WeightSender(lambda: self.trainer.state_dict_for_sync())
         return self._weight_sender
 
     def gpu_uuid(self) -> str:
-        from rl360.serve.weights.nccl import gpu_uuid
 
         return gpu_uuid()
 

@@ -15,12 +15,16 @@ from typing import Any
 
 import msgspec
 
+from rl360.envs.api import TaskRefused, choose_backend
+from rl360.envs.registry import build_env
+from rl360.envs.tasks import iter_tasks
+from rl360.launch.stack import running_stack
+from rl360.ray_session import STOP
 from rl360.recipe import Recipe
 from rl360.types import Task, Trajectory
 
 
 def load_tasks(recipe: Recipe) -> list[Task]:
-    from rl360.envs.tasks import iter_tasks
 
     tasks: list[Task] = []
     for path in recipe.eval.tasks:
@@ -32,8 +36,6 @@ def load_tasks(recipe: Recipe) -> list[Task]:
 
 def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], list[str]]:
     """Tasks this host cannot run (e.g. a container image without Docker), refused up front."""
-    from rl360.envs.api import TaskRefused, choose_backend
-    from rl360.envs.registry import build_env
 
     ok, refused = [], []
     for t in tasks:
@@ -106,7 +108,6 @@ def collect(refs: list[Any], desc: str) -> list[Trajectory]:
     import ray
     from tqdm import tqdm
 
-    from rl360.ray_session import STOP
 
     out: list[Trajectory] = []
     pending = list(refs)
@@ -131,7 +132,6 @@ def eval_command(recipe: Recipe, args: argparse.Namespace) -> int:
 
 
 def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
-    from rl360.launch.stack import running_stack
 
     tasks, refused = refuse_unrunnable(recipe, load_tasks(recipe))
     for why in refused:

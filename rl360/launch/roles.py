@@ -19,6 +19,7 @@ import sys
 from typing import Any, Protocol
 
 from rl360.launch.placement import PlacementError, RayPlacement, is_cluster_recipe
+from rl360.launch.plan import plan_live
 from rl360.recipe import Recipe
 
 
@@ -68,7 +69,6 @@ def place_roles(recipe: Recipe, timeout_s: float = 300.0) -> Placement:
     creates the trainer placement groups and waits until Ray has placed them."""
     if not is_cluster_recipe(recipe):
         return LocalPlacement(recipe)
-    from rl360.launch.plan import plan_live
 
     plan = plan_live(recipe)
     placement = RayPlacement(plan)

@@ -8,13 +8,18 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rl360.ray_session import STOP
+from rl360.launch.roles import LocalPlacement
+from rl360.policies.loading import resolve_model_path
 from rl360.recipe import Recipe
+from rl360.serve.engines.replica import EngineReplica, ServeEngineClient
+from rl360.serve.engines.routing import SessionAffinityRouter
+from rl360.serve.sessions.http import SessionServer
+from rl360.serve.sessions.shard import SessionShard
+from rl360.serve.weights.publisher import WeightPublisher
 
 if TYPE_CHECKING:
     from rl360.launch.roles import Placement
@@ -50,32 +55,6 @@ class ServingHandles:
         return ray.get(self.publisher.status.remote())
 
 
-def _banner(recipe: Recipe, base_url: str, dashboard: str) -> str:
-    lines = [
-        f"rl360: serving {recipe.model.path!r} with {recipe.engine.replicas} "
-        f"{recipe.engine.backend} engine replica(s)",
-        f"  OpenAI API       {base_url}/v1   (sessionless, nothing recorded)",
-        f"  open a session   curl -X POST {base_url}/sessions   -> id, token",
-        f"  session API      {base_url}/sessions/<id>/v1   (api_key=<token>)",
-        f"  trajectory       GET {base_url}/sessions/<id>/trajectory",
-    ]
-    if dashboard:
-        lines.append(f"  Ray dashboard    {dashboard}")
-    return "\n".join(lines)
-
-
-def serve_command(recipe: Recipe, args: argparse.Namespace) -> int:
-    """`rl360 serve recipe.toml [--duration S]`: engines + session server until Ctrl-C."""
-    from rl360.launch.stack import running_stack
-
-    with running_stack(recipe, env_actors=False) as stack:
-        print(_banner(recipe, stack.serving.base_url, stack.info["dashboard_url"]), flush=True)
-        deadline = time.monotonic() + args.duration if args.duration > 0 else None
-        while not STOP.requested and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.5)
-    return 0
-
-
 def start_serving(recipe: Recipe, placement: Placement | None = None,
                   timeout_s: float = 300.0) -> ServingHandles:
     """Engines (on `placement`'s rollout options), shards, publisher and session servers
@@ -84,13 +63,6 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from rl360.launch.roles import LocalPlacement
-    from rl360.policies.loading import resolve_model_path
-    from rl360.serve.engines.replica import EngineReplica, ServeEngineClient
-    from rl360.serve.engines.routing import SessionAffinityRouter
-    from rl360.serve.sessions.http import SessionServer
-    from rl360.serve.sessions.shard import SessionShard
-    from rl360.serve.weights.publisher import WeightPublisher
 
     s, e = recipe.serve, recipe.engine
     ns = recipe.ray.namespace

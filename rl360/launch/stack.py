@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from rl360.actors.env_pool import EnvPool
+from rl360.launch.roles import place_roles
+from rl360.launch.serve_app import start_serving, stop_serving
+from rl360.ray_session import ray_session
 from rl360.recipe import Recipe
 
 if TYPE_CHECKING:
@@ -38,10 +42,6 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
     """Ray session + placement + Serve app (+ env actors, with `sampling` as their default)."""
     import ray
 
-    from rl360.actors.env_pool import EnvPool
-    from rl360.launch.roles import place_roles
-    from rl360.launch.serve_app import start_serving, stop_serving
-    from rl360.ray_session import ray_session
 
     r = recipe.ray
     with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:

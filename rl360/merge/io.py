@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -237,7 +238,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".g
 def copy_side_files(base: Path, out_dir: Path, out_dtype: str | None) -> list[str]:
     """Copy config, tokenizer and other non-weight files of the base; set config.json's dtype
     to the output dtype when every float tensor of the output has that one dtype."""
-    import shutil
 
     copied = []
     for src in sorted(base.iterdir()):

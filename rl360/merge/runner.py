@@ -19,6 +19,7 @@ from rl360.merge.errors import MergeError
 from rl360.merge.report import Stats, Summary
 from rl360.merge.shards import Job, collect_shard, merge_shard, plan
 from rl360.merge.strategies import Method, add_partials, build_method
+from rl360.ray_session import ray_session
 
 SUMMARY_FILE = "merge_summary.json"
 TORCH_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -100,7 +101,6 @@ def _execute_with_ray(job: Job, method: Method, progress: bool) -> Stats:
 
     if ray.is_initialized():
         return execute(job, method, True, progress)
-    from rl360.ray_session import ray_session
 
     with ray_session(dashboard=False, namespace="rl360-merge"):
         return execute(job, method, True, progress)

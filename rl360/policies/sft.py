@@ -7,15 +7,29 @@ token-mean NLL of the last (assistant) message and its end-of-turn token."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from rl360.policies.chat import ChatRenderer
+from rl360.policies.loading import load_tokenizer, resolve_model_path
+from rl360.policies.tiny import (
+    TINY_PRESETS,
+    TinyModelSpec,
+    build_bpe_tokenizer,
+    build_tiny_model,
+    build_tiny_tokenizer,
+)
+from rl360.types import Message, ToolSpec
 
 log = logging.getLogger("rl360.sft")
 
@@ -25,8 +39,6 @@ def load_chats(spec: str, n: int, seed: int) -> list[dict[str, Any]]:
         with open(spec) as f:
             return [json.loads(line) for line in f if line.strip()]
     if ":" in spec:
-        import importlib.util
-        import sys
 
         mod_name, _, fn_name = spec.rpartition(":")
         if mod_name.endswith(".py"):  # a script path, e.g. examples/demo/families.py
@@ -44,7 +56,6 @@ def load_chats(spec: str, n: int, seed: int) -> list[dict[str, Any]]:
 
 def _chat_parts(chat: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
     """A JSON chat's messages and tools (None when it lists none) as wire types."""
-    from rl360.types import Message, ToolSpec
 
     msgs = [msgspec.convert(m, Message) for m in chat["messages"]]
     tools = [msgspec.convert(t, ToolSpec) for t in chat.get("tools") or ()] or None
@@ -77,7 +88,6 @@ FINGERPRINT_FILE = "rl360_sft.txt"
 def sft_fingerprint(cfg: Any, seed: int, chats: list[dict[str, Any]] | None = None) -> str:
     """A hash of the SFT section, the seed and the chats it trains on: a warm start made from
     other settings or other data (an edited generator) has another fingerprint."""
-    import hashlib
 
     if chats is None:
         chats = load_chats(cfg.data, cfg.samples, seed)
@@ -138,7 +148,6 @@ def backward_nll(model: Any, batch: list[tuple[list[int], list[int]]], pad: int)
 
 def tiny_spec(base: str, init: dict[str, Any]) -> Any:
     """The TinyModelSpec of a "tiny[:preset]" base with `init`'s fields over it."""
-    from rl360.policies.tiny import TINY_PRESETS, TinyModelSpec
 
     preset = base.partition(":")[2] or "default"
     if not (base == "tiny" or base.startswith("tiny:")) or preset not in TINY_PRESETS:
@@ -153,8 +162,6 @@ def tiny_spec(base: str, init: dict[str, Any]) -> Any:
 def chat_texts(chats: list[dict[str, Any]]) -> Iterator[str]:
     """Each chat as the chat template writes it, tools and tool calls included (what a
     tokenizer for these chats is trained on)."""
-    from rl360.policies.chat import ChatRenderer
-    from rl360.policies.tiny import build_tiny_tokenizer
 
     renderer = ChatRenderer(build_tiny_tokenizer())
     for chat in chats:
@@ -167,14 +174,6 @@ def run_sft(cfg: Any, seed: int = 0) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rl360.policies.chat import ChatRenderer
-    from rl360.policies.loading import load_tokenizer, resolve_model_path
-    from rl360.policies.tiny import (
-        TinyModelSpec,
-        build_bpe_tokenizer,
-        build_tiny_model,
-        build_tiny_tokenizer,
-    )
 
     torch.manual_seed(seed)
     rng = random.Random(seed)

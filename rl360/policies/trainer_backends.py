@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from rl360.policies.trainer_torch import TorchTrainer
 from rl360.recipe import TrainerSection
 from rl360.types import Batch
 
@@ -36,7 +37,6 @@ TrainerFactory = Callable[..., Trainer]
 
 def _torch(config: TrainerSection, model_path: str | Path, *, temperature: float,
            seed: int) -> Trainer:
-    from rl360.policies.trainer_torch import TorchTrainer
 
     # data parallel only: the support checks refuse tensor/pipeline parallel sizes for it
     return TorchTrainer(config, model_path, temperature=temperature, seed=seed)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rl360.policies.megatron import cpu_shims
 from rl360.policies.megatron.convert import GPTShape, hf_to_mcore, shard_tp, unshard_tp
 from rl360.recipe import TrainerSection
 
@@ -63,7 +64,6 @@ def init_parallel(par: ParallelConfig, seed: int) -> None:
         if par.model_parallel != par.tensor:
             raise ValueError(f"megatron backend on CPU runs only pipeline/context/"
                              f"expert_parallel = 1, got {par}: those need GPUs")
-        from rl360.policies.megatron import cpu_shims
 
         cpu_shims.install()
     if not dist.is_initialized():

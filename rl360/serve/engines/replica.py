@@ -16,6 +16,7 @@ from ray import serve
 
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines import build_engine_backend
+from rl360.serve.weights.publisher import follow_weights
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine")
@@ -46,7 +47,6 @@ class EngineReplica:
             return
         import ray
 
-        from rl360.serve.weights.publisher import follow_weights
 
         name, namespace = self._publisher_name
         pub = ray.get_actor(name, namespace=namespace)

@@ -10,6 +10,7 @@ import asyncio
 import re
 from typing import Any
 
+from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.types import Generation, SamplingParams
 
@@ -20,7 +21,6 @@ class ScriptedBackend:
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            from rl360.policies.loading import resolve_model_path
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model.path))
         self.tokenizer = tokenizer

@@ -31,15 +31,20 @@ keyword (e.g. mem_fraction_static, tp_size, chunked_prefill_size), passed as is.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import time
 from typing import Any, Literal
 
 import msgspec
 
+from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
+from rl360.serve.engines import sglang_client as sc
 from rl360.serve.engines.base import BackendUnavailable
 from rl360.serve.engines.gate import VersionGate
+from rl360.serve.engines.sglang_client import check_result
+from rl360.serve.weights.plan import plan_buckets, tensor_checksum
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.sglang")
@@ -76,7 +81,6 @@ class IpcUpdate(msgspec.Struct):
 
 
 def sglang_installed() -> bool:
-    import importlib.util
 
     return importlib.util.find_spec("sglang") is not None
 
@@ -181,7 +185,6 @@ def serialize_named_tensors(named: list[tuple[str, Any]], ranks: int, as_text: b
 
 class SGLangBackend:
     def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0) -> None:
-        from rl360.policies.loading import resolve_model_path
 
         self.engine_cfg, self.model_cfg = engine, model
         self.options, extra = split_options(engine.options)
@@ -226,7 +229,6 @@ class SGLangBackend:
         return gen
 
     async def update_weights(self, version: int, state: Any) -> bool:
-        from rl360.serve.engines.sglang_client import check_result
 
         if hasattr(state, "__await__") and not isinstance(state, dict):
             state = await state  # a Ray ObjectRef
@@ -261,7 +263,6 @@ class SGLangBackend:
                                 group_name: str, backend: str = "nccl") -> None:
         """Have every tensor-parallel worker of this engine join the sender's group (ranks
         rank_offset .. rank_offset + tp - 1). Blocks until the whole group has formed."""
-        from rl360.serve.engines.sglang_client import check_result
 
         if group_name in self._groups:
             return
@@ -275,7 +276,6 @@ class SGLangBackend:
         get_weights_by_name (a prefix of each weight: checksum_prefix elements or fewer)."""
         import torch
 
-        from rl360.serve.weights.plan import tensor_checksum
 
         client = await self._ensure_client()
         dtype = getattr(torch, self.model_cfg.dtype)
@@ -329,7 +329,6 @@ class SGLangBackend:
         self._starting = self._starting or asyncio.Lock()
         async with self._starting:
             if self._client is None:
-                from rl360.serve.engines import sglang_client as sc
 
                 try:
                     if self.options.mode == "http":
@@ -351,8 +350,6 @@ class SGLangBackend:
         engine's GPU, then to SGLang's workers by CUDA IPC (CPU tensors would travel as
         shared-memory file descriptors, which the HTTP path cannot carry); the prefix cache is
         flushed once, after the last bucket. At most one bucket of extra GPU memory."""
-        from rl360.serve.engines.sglang_client import check_result
-        from rl360.serve.weights.plan import plan_buckets
 
         spec = [(k, list(v.shape), str(v.dtype)) for k, v in state.items()]
         buckets = plan_buckets(spec, self.options.bucket_mb)
@@ -370,7 +367,6 @@ class SGLangBackend:
         return [(k, torch.as_tensor(state[k]).to(device)) for k in names]
 
     async def _receive_collective(self, client: Any, update: CollectiveUpdate) -> None:
-        from rl360.serve.engines.sglang_client import check_result
 
         if update.join is not None:
             host, port, offset, world, backend = update.join

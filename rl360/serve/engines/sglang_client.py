@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Any, Protocol
 
+from rl360.serve.weights.transports import free_port
+
 log = logging.getLogger("rl360.engine.sglang")
 
 
@@ -151,7 +153,6 @@ class HttpClient:
                  launch_timeout_s: float = 600.0) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
         if not url:
-            from rl360.serve.weights.transports import free_port
 
             kwargs = dict(engine_kwargs or {})
             port = free_port()

@@ -11,6 +11,7 @@ it was sampled from (after temperature, top-k and top-p; the raw distribution fo
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import random
 import time
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.types import Generation, SamplingParams
@@ -45,7 +47,6 @@ class _Request:
 def load_causal_lm(model: str, dtype: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl360.policies.loading import resolve_model_path
 
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
@@ -70,7 +71,6 @@ class TorchBackend:
         self.tokenizer = tokenizer
         self.pad_id = _pad_id(model, tokenizer)
         # transformers renamed the KV-cache argument (past_key_values -> cache)
-        import inspect
 
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"

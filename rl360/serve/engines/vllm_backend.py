@@ -27,8 +27,10 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.vllm_worker import pack_state
@@ -120,7 +122,6 @@ def to_generation(out: Any, sp: SamplingParams, version: int) -> Generation:
 
 class VLLMBackend:
     def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0) -> None:
-        from rl360.policies.loading import resolve_model_path
 
         self.engine_cfg, self.model_cfg, self.seed = engine, model, seed
         self.model_path = str(resolve_model_path(model.path))
@@ -308,7 +309,6 @@ class VLLMBackend:
 
 def checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
     """name -> shape of every tensor in an HF directory's safetensors files."""
-    from pathlib import Path
 
     from safetensors import safe_open
 

@@ -7,6 +7,7 @@ worker process.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 
@@ -46,7 +47,6 @@ class RL360WeightLoader:
 
 
 def pack_state(state: dict[str, Any]) -> bytes:
-    import io
 
     import torch
 
@@ -56,7 +56,6 @@ def pack_state(state: dict[str, Any]) -> bytes:
 
 
 def unpack_state(payload: bytes) -> dict[str, Any]:
-    import io
 
     import torch
 

@@ -7,6 +7,8 @@ import logging
 import zlib
 from typing import Any
 
+from rl360.policies.chat import ChatRenderer
+from rl360.policies.loading import load_tokenizer
 from rl360.recipe import ModelSection, ServeSection
 from rl360.serve.sessions.ledger import LedgerError
 from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, CompletionRequest
@@ -27,8 +29,6 @@ class SessionShard:
         model_name: str,
         engine: EngineClient,
     ) -> None:
-        from rl360.policies.chat import ChatRenderer
-        from rl360.policies.loading import load_tokenizer
 
         renderer = ChatRenderer(load_tokenizer(model.path, model.chat_template))
         self.svc = SessionService(renderer, engine, serve, max_model_len=model.max_model_len,

@@ -11,6 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from rl360.serve.engines.sglang_backend import CollectiveUpdate, IpcUpdate
+from rl360.serve.weights.nccl import WeightReceiver, gpu_uuid, load_ipc
+from rl360.serve.weights.plan import checksum_state
+
 
 def has_own_group(backend: Any) -> bool:
     return callable(getattr(backend, "join_weight_group", None))
@@ -19,7 +23,6 @@ def has_own_group(backend: Any) -> bool:
 def replica_info(backend: Any) -> dict[str, Any]:
     """What the transport needs to plan a group: ranks this replica takes, the layout it
     receives, and its GPU's UUID ("" without one)."""
-    from rl360.serve.weights.nccl import gpu_uuid
 
     own = has_own_group(backend)
     return {"width": int(getattr(backend, "weight_group_width", 1)) if own else 1,
@@ -31,22 +34,18 @@ async def gpu_state(payload: dict[str, Any], backend: Any, rank: int,
     """(what to pass to backend.update_weights, the receiver to keep for the next version)."""
     if payload["backend"] == "ipc":
         if has_own_group(backend):
-            from rl360.serve.engines.sglang_backend import IpcUpdate
 
             width = int(getattr(backend, "weight_group_width", 1))
             return IpcUpdate(serialized_per_rank=list(payload["ipc"][:width])), receiver
-        from rl360.serve.weights.nccl import load_ipc
 
         # the sender keeps these alive until every replica has applied (copied) them
         return await asyncio.to_thread(load_ipc, payload["ipc"][0]), receiver
     if has_own_group(backend):
-        from rl360.serve.engines.sglang_backend import CollectiveUpdate
 
         join = (payload["host"], int(payload["port"]), rank, int(payload["world"]),
                 payload["backend"])
         return CollectiveUpdate(group_name=payload["group_name"], buckets=payload["buckets"],
                                 join=join), receiver
-    from rl360.serve.weights.nccl import WeightReceiver
 
     if receiver is None or getattr(receiver, "group_name", None) != payload["group_name"]:
         receiver = await asyncio.to_thread(
@@ -68,7 +67,6 @@ def _sent_names(payload: dict[str, Any]) -> list[str]:
 async def engine_checksums(backend: Any, payload: dict[str, Any], state: Any) -> dict[str, Any]:
     """{"dtype": ..., "sums": {name: [elements compared or None, checksum]}} of what the
     engine now serves (the debug option `checksum`)."""
-    from rl360.serve.weights.plan import checksum_state
 
     names = _sent_names(payload)
     if callable(getattr(backend, "weight_checksums", None)):  # SGLang: prefixes via its API

@@ -10,11 +10,15 @@ move forward; an older or equal version is ignored by the backend, which logs it
 from __future__ import annotations
 
 import asyncio
+import asyncio as aio
 import contextlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
+
+from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
+from rl360.serve.weights.transports import GlooGroup
 
 log = logging.getLogger("rl360.weights")
 
@@ -136,9 +140,7 @@ class WeightPublisher:
 async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0) -> None:
     """Replica side: apply every newer published version (runs as a named task), and report
     the backend's health (busy time, tokens) every `poll_s` for the run's metrics."""
-    import asyncio as aio
 
-    from rl360.serve.weights.collective_replica import replica_info
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None
@@ -149,11 +151,9 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         if version <= have or not payload:
             continue
         if isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
-            from rl360.serve.weights.collective_replica import gpu_state
 
             state, group = await gpu_state(payload, backend, rank, group)
         elif isinstance(payload, dict):  # collective: join the group once, then receive
-            from rl360.serve.weights.transports import GlooGroup
 
             if group is None:
                 group = await aio.to_thread(GlooGroup, payload["host"], payload["port"], rank,
@@ -164,7 +164,6 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         if await backend.update_weights(version, state):
             have = version
             if isinstance(payload, dict) and payload.get("checksum"):
-                from rl360.serve.weights.collective_replica import engine_checksums
 
                 sums = await engine_checksums(backend, payload, state)
                 await publisher.report_checksums.remote(replica, version, sums)

@@ -12,12 +12,15 @@ WeightPublisher actor, which the replicas long-poll (rl360.serve.weights.publish
 
 from __future__ import annotations
 
+import logging
 import socket
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
 from rl360.recipe import CollectiveSync, WeightSync
+from rl360.serve.weights.plan import compare_checksums, plan_buckets
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64)}
 
@@ -71,7 +74,6 @@ class GlooGroup:
     trainer rank and Serve replicas can join one without disturbing their other groups."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float = 300.0) -> None:
-        from datetime import timedelta
 
         import torch.distributed as dist
 
@@ -158,7 +160,6 @@ class CollectiveTransport:
     def _plan_gpu(self) -> dict[str, Any]:
         import ray
 
-        from rl360.serve.weights.plan import plan_buckets
 
         o, pub = self.options, self.serving.publisher
         ray.get(pub.wait_registered.remote(self.replicas, 300.0))
@@ -215,11 +216,9 @@ class CollectiveTransport:
 
     def _verify(self, version: int) -> list[Any]:
         """Compare each replica's checksums of what it now serves with the sender's."""
-        import logging
 
         import ray
 
-        from rl360.serve.weights.plan import compare_checksums
 
         log = logging.getLogger("rl360.weights")
         pub = self.serving.publisher
