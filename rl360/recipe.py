@@ -87,7 +87,7 @@ class SamplingSection(_S):
     max_tokens: PosInt = 256
 
 
-class SandboxLimits(_S, omit_defaults=True):
+class SandboxLimits(_S):
     """[env.limits]: caps for one sandbox (tasks may ask for other values). Memory covers every process of the sandbox together with the files
     it keeps in its RAM-backed work dir and /tmp (where the backend stores them in RAM)."""
 
