@@ -180,6 +180,10 @@ class TrainerSection(_S):
     # (a real token never attends to a later pad) and runs faster without it.
     attention_mask: bool = False
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "drgrpo"
+    # optimizer steps per rollout batch: `epochs` passes over it in `minibatches` parts; with
+    # more than one step the PPO ratio is current/proximal (the weights when the batch began)
+    minibatches: PosInt = 1
+    epochs: PosInt = 1
     loss: LossSection = msgspec.field(default_factory=LossSection)
     # megatron backend (GPU clusters)
     tensor_parallel: PosInt = 1
@@ -292,6 +296,15 @@ class Recipe(_S):
     sft: SftSection = msgspec.field(default_factory=SftSection)
     train: TrainSection = msgspec.field(default_factory=TrainSection)
 
+    def __post_init__(self) -> None:
+        loss, staleness = self.trainer.loss, self.train.max_staleness
+        if staleness > 0 and (loss.name == "reinforce" or loss.tis_cap == 0):
+            raise ValueError(
+                f"trainer.loss: train.max_staleness = {staleness} trains on tokens sampled by "
+                "older policies, which needs a clipped loss with truncated importance weights "
+                f"(name 'ppo' or 'gspo' and tis_cap >= 1), got name {loss.name!r}, tis_cap "
+                f"{loss.tis_cap:g}; or set train.max_staleness = 0")
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the key and what is allowed."""
@@ -373,8 +386,8 @@ def explain(err: msgspec.ValidationError, raw: dict[str, Any], schema: type) -> 
         return f"{path}: expected {_describe(info)}, got {value!r}"
     if g := re.match(r"Expected `(\w+)`.*, got `(\w+)`", text):
         return f"{path}: expected {_TYPE_NAMES.get(g.group(1), g.group(1))}, got {g.group(2)}"
-    if path and ": " in text and not text.startswith(("Expected", "Invalid", "Object")):
-        return f"{path}.{text}"  # a __post_init__ message "key: reason"
+    if ": " in text and not text.startswith(("Expected", "Invalid", "Object")):
+        return f"{path}.{text}" if path else text  # a __post_init__ message "key: reason"
     return f"{path or '(top level)'}: {text[0].lower()}{text[1:]}"
 
 

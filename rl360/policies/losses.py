@@ -98,11 +98,18 @@ def tis_weights(
     else:
         w = mask.to(diff.dtype)
         capped = torch.zeros_like(diff)
+    m = mask.to(diff.dtype)
+    raw_m = raw * m
+    n = m.sum().clamp(min=1.0)
     metrics = {
         "mismatch_abs_mean": masked_mean(diff.abs(), mask),
         "mismatch_abs_max": masked_max(diff.abs(), mask),
         "tis_capped_frac": masked_mean(capped, mask),
         "tis_weight_mean": masked_mean(w, mask),
+        # effective sample size of the untruncated weights, as a fraction of the tokens
+        "is_ess_frac": raw_m.sum() ** 2 / ((raw_m**2).sum().clamp(min=1e-30) * n),
+        # KL(behaviour || proximal) per token, k3 estimate from the behaviour's samples
+        "sampler_kl": masked_mean(torch.exp(diff.clamp(max=_MAX_LOG_RATIO)) - diff - 1.0, mask),
     }
     return w, metrics
 

@@ -1,4 +1,4 @@
-"""The torch trainer backend: one HF causal LM, one AdamW step per global batch.
+"""The torch trainer backend: one HF causal LM, AdamW steps over a global batch.
 
 `train_step(batch)` cuts the batch into micro-batches (right-padded, sorted by length), runs
 forward + backward on each with the configured policy loss and reducer, accumulating
@@ -8,9 +8,14 @@ When torch.distributed is initialized with world size > 1 (the trainer group doe
 gradients are summed across ranks (not averaged: the global denominators already make the
 sum exact) before clipping and the optimizer step, so every rank takes the identical step.
 
-"old" logprobs: with one optimizer step per batch the policy before the step is the current
-one, so old = current logprobs, detached, from the same forward (no second pass). They feed the
-PPO/GSPO ratio (= 1, carrying the gradient) and the TIS weight exp(old - sampling).
+Decoupled PPO. Three policies meet in the loss: the behaviour policy (the engines' sampling
+logprobs, per token, whatever version produced it), the proximal policy ("old": these weights
+when the batch starts) and the current one. The PPO/GSPO ratio is current/proximal and is
+clipped; the importance weight proximal/behaviour is truncated at `tis_cap` (TIS). With one
+optimizer step per batch (trainer.minibatches = epochs = 1) proximal == current, so old is the
+current logprobs, detached, from the same forward (no second pass) and the ratio is 1; with
+more steps the proximal logprobs are scored once, before the first step, and the clip acts.
+Each minibatch's reducer divides by that minibatch's global counts.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import contextlib
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,8 @@ class _MicroBatch:
     mask: Tensor  # [B, L-1] loss mask on targets ids[:, 1:]
     sampling: Tensor  # [B, L-1]
     adv: Tensor  # [B]
+    old: Tensor | None = None  # [B, L-1] proximal logprobs (None: the current ones, detached)
+    rows: list[int] = field(default_factory=list)  # the samples' indices in the batch
 
 
 class _Metrics:
@@ -80,6 +87,18 @@ class _Metrics:
         out = {k: s / self.weights[k] if self.weights[k] > 0 else 0.0 for k, s in self.sums.items()}
         out.update(self.maxes)
         return out
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """`items` in `parts` contiguous, near-equal parts (fewer when there are fewer items)."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (k < extra)
+        out.append(items[start:end])
+        start = end
+    return out
 
 
 def _validate(samples: list[TrainSample], vocab: int) -> None:
@@ -178,46 +197,87 @@ class TorchTrainer:
     def train_step(
         self, batch: Batch, global_tokens: int | None = None, global_seqs: int | None = None
     ) -> dict[str, float]:
+        """`trainer.epochs` passes over the batch cut into `trainer.minibatches` parts, one
+        optimizer step per part. With more than one step the proximal policy (these weights
+        when the batch starts) is scored once first, so the PPO/GSPO ratio of later steps is
+        current/proximal and the clip acts; the truncated IS weight stays proximal/behaviour
+        (decoupled PPO). `global_tokens/seqs`: the whole batch's loss-token and sequence counts
+        over every data-parallel rank (computed here when not given)."""
         t0 = time.perf_counter()
         samples = batch.samples
         _validate(samples, self.vocab)
         local_tokens, local_seqs = global_denominators(s.mask for s in samples)
-        if global_tokens is None or global_seqs is None:
-            counts = torch.tensor([local_tokens, local_seqs], dtype=torch.long)
-            if self.world_size > 1:
-                dist.all_reduce(counts, group=self.dp_group)
-            global_tokens = int(counts[0]) if global_tokens is None else global_tokens
-            global_seqs = int(counts[1]) if global_seqs is None else global_seqs
+        parts = _split(list(range(len(samples))), self.config.minibatches)
+        counts = torch.tensor([list(global_denominators(samples[i].mask for i in part))
+                               for part in parts], dtype=torch.long)
+        if len(parts) == 1 and global_tokens is not None and global_seqs is not None:
+            counts[0] = torch.tensor([global_tokens, global_seqs])
+        elif self.world_size > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+        proximal = (self._proximal_logprobs(samples)
+                    if len(parts) * self.config.epochs > 1 else None)
         acc = _Metrics()
+        losses: list[float] = []
+        norms: list[float] = []
+        skipped = 0
+        lr = self.optimizer.param_groups[0]["lr"]
+        for _epoch in range(self.config.epochs):
+            for part, (gt, gs) in zip(parts, counts.tolist(), strict=True):
+                loss, norm, ok = self._optimizer_step(samples, part, proximal, acc, gt, gs)
+                losses.append(loss)
+                norms.append(norm)
+                skipped += not ok
+        self._add_batch_metrics(batch, acc)
+        if self.world_size > 1:
+            acc.all_reduce(self.dp_group)
+        metrics = acc.result()
+        g_tokens, g_seqs = (int(x) for x in counts.sum(dim=0).tolist())
+        metrics.update(
+            zero_adv_skipped=float(len(samples) - len(self._samples_with_gradient(samples))),
+            loss=sum(losses) / len(losses), grad_norm=max(norms), lr=float(lr),
+            skipped=float(skipped), step=float(self.step), tokens=float(g_tokens),
+            seqs=float(g_seqs), local_tokens=float(local_tokens), local_seqs=float(local_seqs),
+            optimizer_steps=float(len(losses) - skipped), step_time_s=time.perf_counter() - t0,
+        )
+        return metrics
+
+    def _optimizer_step(self, samples: list[TrainSample], part: list[int],
+                        proximal: dict[int, Tensor] | None, acc: _Metrics,
+                        global_tokens: int, global_seqs: int) -> tuple[float, float, bool]:
+        """Forward/backward over the samples `part` (micro-batched; denominators of the whole
+        part over every rank), gradients summed over ranks, clipped, one AdamW step.
+        Returns (loss, grad norm, stepped)."""
         loss_total = torch.zeros((), dtype=torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
-        work = self._samples_with_gradient(samples)
+        work = self._samples_with_gradient([samples[i] for i in part])
+        index = {id(s): i for i, s in zip(part, (samples[i] for i in part), strict=True)}
         if global_tokens > 0:
-            for mb in self._micro_batches(work):
+            for mb in self._micro_batches(work, proximal, index):
                 loss_total += self._forward_backward(mb, acc, global_tokens, global_seqs)
-        self._add_batch_metrics(batch, acc)
         if self.world_size > 1:
             self._all_reduce_grads()
             dist.all_reduce(loss_total, group=self.dp_group)
-            acc.all_reduce(self.dp_group)
         grad_norm = self._clip()
         finite = bool(torch.isfinite(grad_norm)) and bool(torch.isfinite(loss_total))
-        skipped = global_tokens == 0 or not finite
-        lr = self.optimizer.param_groups[0]["lr"]
-        if not skipped:
+        ok = global_tokens > 0 and finite
+        if ok:
             self.optimizer.step()
             self.scheduler.step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = acc.result()
-        metrics.update(
-            zero_adv_skipped=float(len(samples) - len(work)),
-            loss=float(loss_total), grad_norm=float(grad_norm), lr=float(lr),
-            skipped=float(skipped), step=float(self.step), tokens=float(global_tokens),
-            seqs=float(global_seqs), local_tokens=float(local_tokens),
-            local_seqs=float(local_seqs), step_time_s=time.perf_counter() - t0,
-        )
-        return metrics
+        return float(loss_total), float(grad_norm), ok
+
+    @torch.no_grad()
+    def _proximal_logprobs(self, samples: list[TrainSample]) -> dict[int, Tensor]:
+        """The current policy's logprob of every target token, per sample index: the proximal
+        policy of this batch's optimizer steps."""
+        out: dict[int, Tensor] = {}
+        index = {id(s): i for i, s in enumerate(samples)}
+        for mb in self._micro_batches(samples, None, index):
+            logprobs = self._target_logprobs(self._logits(self.model, mb), mb.ids)
+            for r, i in enumerate(mb.rows):
+                out[i] = logprobs[r, : len(samples[i].tokens) - 1].clone()
+        return out
 
     def _samples_with_gradient(self, samples: list[TrainSample]) -> list[TrainSample]:
         """The samples whose forward/backward can change the step. Every policy loss here is
@@ -247,21 +307,28 @@ class TorchTrainer:
         if chunk:
             yield chunk
 
-    def _micro_batches(self, samples: list[TrainSample]) -> Iterator[_MicroBatch]:
+    def _micro_batches(self, samples: list[TrainSample], proximal: dict[int, Tensor] | None = None,
+                       index: dict[int, int] | None = None) -> Iterator[_MicroBatch]:
+        """Right-padded micro-batches; `proximal` (sample index -> target logprobs, looked up
+        through `index`: id(sample) -> index) fills `old` when the batch takes several steps."""
         for chunk in self._chunks(samples):
             width = max(len(s.tokens) for s in chunk)
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             attn = torch.zeros((len(chunk), width), dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.float32)
             samp = torch.zeros((len(chunk), width), dtype=torch.float32)
+            old = torch.zeros((len(chunk), width - 1), dtype=torch.float32) if proximal else None
+            rows = [index[id(s)] if index is not None else r for r, s in enumerate(chunk)]
             for r, s in enumerate(chunk):
                 n = len(s.tokens)
                 ids[r, :n] = torch.tensor(s.tokens, dtype=torch.long)
                 attn[r, :n] = 1
                 mask[r, :n] = torch.tensor(s.mask, dtype=torch.float32)
                 samp[r, :n] = torch.tensor(s.sampling_logprobs, dtype=torch.float32)
+                if old is not None and proximal is not None:
+                    old[r, : n - 1] = proximal[rows[r]]
             adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-            yield _MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv)
+            yield _MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.dtype == "bfloat16":
@@ -291,9 +358,8 @@ class TorchTrainer:
                 ref_logprobs = self._target_logprobs(self._logits(self.reference, mb), mb.ids)
         logits = self._logits(self.model, mb)
         logprobs = self._target_logprobs(logits, mb.ids)
-        per_token, metrics = self.loss_fn(
-            logprobs, logprobs.detach(), mb.sampling, mb.adv, mb.mask, ref_logprobs
-        )
+        old = mb.old if mb.old is not None else logprobs.detach()
+        per_token, metrics = self.loss_fn(logprobs, old, mb.sampling, mb.adv, mb.mask, ref_logprobs)
         if self.config.loss.entropy_coef > 0:
             bonus = entropy_from_logits(logits) * mb.mask
             per_token = per_token - self.config.loss.entropy_coef * bonus
