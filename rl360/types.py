@@ -138,6 +138,37 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     error: str | None = None
     timings: dict[str, float] = msgspec.field(default_factory=dict)
 
+    def record(self) -> EpisodeRecord:
+        """What the controller and the buffer need of this episode: no token data."""
+        gen = [v for v, m in zip(self.versions, self.mask, strict=True) if m and v is not None]
+        return EpisodeRecord(
+            task_id=self.task_id or "", group_id=self.group_id or "", status=self.status,
+            reward=self.reward, error=self.error, tokens=len(self.tokens),
+            loss_tokens=int(sum(self.mask)), min_version=min(gen) if gen else 0,
+            max_version=max(gen) if gen else 0, timings=dict(self.timings))
+
+
+class EpisodeRecord(msgspec.Struct, omit_defaults=True):
+    """The small half of a finished episode (DESIGN.md's data path): reward, status, length,
+    versions. Its tokens stay in the object store behind a ref until a trainer rank fetches
+    them; the controller, the buffer and the driver only ever hold these."""
+
+    task_id: str
+    group_id: str
+    status: EpisodeStatus
+    reward: Reward | None
+    error: str | None = None
+    tokens: int = 0
+    loss_tokens: int = 0
+    min_version: int = 0  # oldest / newest policy version among the generated tokens
+    max_version: int = 0
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+
+    @property
+    def valid(self) -> bool:
+        """Scored (not an infrastructure failure) and with tokens to train on."""
+        return self.status != "infra_error" and self.reward is not None
+
 
 # ----------------------------------------------------------------------------- training
 

@@ -1,9 +1,11 @@
 """TrajectoryBuffer: completes groups, computes advantages, bounds staleness, cuts batches.
 
-The rollout controller hands over a finished group as ObjectRefs (never the data); the buffer
-reads the trajectories, computes the group's advantages with infra failures excluded from the
-statistics (their samples are dropped, not scored as 0), optionally drops groups whose rewards
-do not vary (no learning signal), and queues the rest. `next_batch(version)` waits for
+The rollout controller hands over a finished group as its episodes' small EpisodeRecords plus
+the ObjectRefs of their trajectories (never the token data); the buffer computes the group's
+advantages from the records with infra failures excluded from the statistics (those episodes
+are dropped, not scored as 0), optionally drops groups whose rewards do not vary (no learning
+signal), and queues the rest as refs. A cut batch is a RefBatch: refs, advantages and token
+counts; each trainer rank fetches the trajectories of its own shard. `next_batch(version)` waits for
 `groups_per_batch` groups and drops (or, with stale_policy="keep", keeps under the trainer's
 truncated importance sampling) groups whose oldest generated token is more than
 `max_staleness` versions behind the trainer.
@@ -14,26 +16,63 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from rl360.policies.advantages import build_advantage
 from rl360.recipe import TrainSection
-from rl360.types import Batch, TrainSample, Trajectory
+from rl360.types import EpisodeRecord, TrainSample, Trajectory
 
 
-class GroupRecord(msgspec.Struct):
+@dataclass
+class Member:
+    """One trained episode of a group: its trajectory (an ObjectRef, or the Trajectory itself
+    when it was handed over in process or restored from a checkpoint) and its small numbers."""
+
+    ref: Any
+    advantage: float
+    reward: float
+    tokens: int
+    loss_tokens: int
+    task_id: str = ""
+    min_version: int = 0
+    max_version: int = 0
+
+
+@dataclass
+class GroupRecord:
     group_id: str
     task_id: str
-    samples: list[TrainSample]
+    members: list[Member]
     rewards: list[float]  # valid episodes only
     min_version: int  # oldest version among the group's generated tokens
     statuses: dict[str, int]
     completed_at: float
 
 
+@dataclass
+class RefBatch:
+    """A global batch as the driver holds it: refs and advantages, no token data.
+    `policy_version` is the trainer's version when the batch was cut."""
+
+    members: list[Member]
+    step: int = 0
+    policy_version: int = 0
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(m.loss_tokens for m in self.members)
+
+    @property
+    def seqs(self) -> int:
+        return sum(m.loss_tokens > 0 for m in self.members)
+
+
 def to_samples(trajs: list[Trajectory], advantages: list[float]) -> list[TrainSample]:
+    """Trainer samples of the trajectories with their advantages (infra failures, unscored
+    and empty trajectories have none)."""
     out = []
     for t, a in zip(trajs, advantages, strict=True):
         if t.status == "infra_error" or t.reward is None or not t.tokens:
@@ -49,6 +88,19 @@ def to_samples(trajs: list[Trajectory], advantages: list[float]) -> list[TrainSa
             task_id=t.task_id or "",
         ))
     return out
+
+
+class _StoredGroup(msgspec.Struct):
+    """A queued group in a checkpoint (its trajectories fetched and stored whole)."""
+
+    group_id: str
+    task_id: str
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    rewards: list[float]
+    min_version: int
+    statuses: dict[str, int]
+    completed_at: float
 
 
 class TrajectoryBuffer:
@@ -73,22 +125,29 @@ class TrajectoryBuffer:
     async def size(self) -> int:
         return len(self.groups)
 
-    async def add_group(self, group_id: str, task_id: str, wrapped: list[list[Any]]) -> bool:
-        """Take a finished group (its trajectory refs inside a list, so Ray passes them
-        unresolved). Returns whether it was queued for training (False: filtered out)."""
-        trajs: list[Trajectory] = list(await asyncio.gather(*wrapped[0]))
-        return self.add_trajectories(group_id, task_id, trajs)
+    async def add_group(self, group_id: str, task_id: str, records: list[EpisodeRecord],
+                        wrapped: list[list[Any]]) -> bool:
+        """Take a finished group: its episodes' records and their trajectory refs (inside a
+        list, so Ray passes them unresolved: the buffer never fetches token data). Returns
+        whether it was queued for training (False: filtered out)."""
+        return self._add(group_id, task_id, records, list(wrapped[0]))
 
     def add_trajectories(self, group_id: str, task_id: str, trajs: list[Trajectory]) -> bool:
-        valid = [t.status != "infra_error" and t.reward is not None for t in trajs]
-        for t in trajs:
-            self.counts[f"episodes_{t.status}"] += 1
-        rewards = [t.reward.value if ok and t.reward else 0.0 for t, ok in zip(trajs, valid, strict=True)]
-        for t, ok in zip(trajs, valid, strict=True):
-            if ok and t.reward is not None:
-                self._recent_rewards.append(t.reward.value)
-                self._recent_pass.append(float(t.reward.components.get("all_pass", t.reward.value >= 1.0)))
-                self._recent_tokens += sum(t.mask)
+        """The same for trajectories at hand (in process, tests)."""
+        return self._add(group_id, task_id, [t.record() for t in trajs], list(trajs))
+
+    def _add(self, group_id: str, task_id: str, records: list[EpisodeRecord],
+             refs: list[Any]) -> bool:
+        valid = [r.valid for r in records]
+        for r in records:
+            self.counts[f"episodes_{r.status}"] += 1
+        rewards = [r.reward.value if ok and r.reward else 0.0
+                   for r, ok in zip(records, valid, strict=True)]
+        for r, ok in zip(records, valid, strict=True):
+            if ok and r.reward is not None:
+                self._recent_rewards.append(r.reward.value)
+                self._recent_pass.append(float(r.reward.components.get("all_pass", r.reward.value >= 1.0)))
+                self._recent_tokens += r.loss_tokens
         good = [r for r, ok in zip(rewards, valid, strict=True) if ok]
         if not good:
             self.counts["groups_all_infra_error"] += 1
@@ -97,19 +156,24 @@ class TrajectoryBuffer:
             self.counts["groups_zero_variance"] += 1
             return False
         adv = self.advantage(rewards, valid)
-        samples = to_samples(trajs, adv)
-        gen_versions = [v for s in samples for v, m in zip(s.versions, s.mask, strict=True) if m]
+        members = [Member(ref=ref, advantage=float(a), reward=r.reward.value, tokens=r.tokens,
+                          loss_tokens=r.loss_tokens, task_id=r.task_id,
+                          min_version=r.min_version, max_version=r.max_version)
+                   for r, ref, a, ok in zip(records, refs, adv, valid, strict=True)
+                   if ok and r.reward is not None and r.tokens > 0]
+        trained = [r for r, ok in zip(records, valid, strict=True) if ok and r.tokens > 0]
         self.groups.append(GroupRecord(
-            group_id=group_id, task_id=task_id, samples=samples, rewards=good,
-            min_version=min(gen_versions) if gen_versions else 0,
-            statuses=dict(collections.Counter(t.status for t in trajs)),
+            group_id=group_id, task_id=task_id, members=members, rewards=good,
+            min_version=min((r.min_version for r in trained if r.loss_tokens), default=0),
+            statuses=dict(collections.Counter(r.status for r in records)),
             completed_at=time.time(),
         ))
         self.counts["groups_queued"] += 1
         self._notify()
         return True
 
-    async def next_batch(self, trainer_version: int, step: int, timeout_s: float = 3600.0) -> Batch | None:
+    async def next_batch(self, trainer_version: int, step: int,
+                         timeout_s: float = 3600.0) -> RefBatch | None:
         """Wait for a full batch usable at `trainer_version`; None on timeout."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -131,10 +195,10 @@ class TrajectoryBuffer:
         self.counts["groups_dropped_stale"] += len(self.groups) - len(kept)
         self.groups = kept
 
-    def _cut(self, version: int, step: int) -> Batch:
+    def _cut(self, version: int, step: int) -> RefBatch:
         groups = [self.groups.popleft() for _ in range(self.cfg.groups_per_batch)]
-        samples = [s for g in groups for s in g.samples]
-        return Batch(samples=samples, step=step, policy_version=version)
+        return RefBatch(members=[m for g in groups for m in g.members], step=step,
+                        policy_version=version)
 
     async def take_recent_stats(self) -> dict[str, Any]:
         """Reward / pass stats of every valid episode since the previous call, and counters."""
@@ -151,10 +215,31 @@ class TrajectoryBuffer:
         return out
 
     async def state(self) -> bytes:
-        return msgspec.msgpack.encode({"groups": list(self.groups), "counts": dict(self.counts)})
+        """The queued groups with their trajectories (fetched now: a checkpoint must hold the
+        data, not refs that die with the run) and the counters."""
+        stored = []
+        for g in list(self.groups):
+            trajs = [m.ref if isinstance(m.ref, Trajectory) else await m.ref for m in g.members]
+            stored.append(_StoredGroup(
+                group_id=g.group_id, task_id=g.task_id, trajectories=trajs,
+                advantages=[m.advantage for m in g.members], rewards=g.rewards,
+                min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at))
+        return msgspec.msgpack.encode({"groups": stored, "counts": dict(self.counts)})
 
     async def load_state(self, blob: bytes) -> None:
         data = msgspec.msgpack.decode(blob, type=dict[str, Any])
-        self.groups = collections.deque(msgspec.convert(g, GroupRecord) for g in data["groups"])
+        self.groups = collections.deque()
+        for raw in data["groups"]:
+            g = msgspec.convert(raw, _StoredGroup)
+            members = []
+            for t, a in zip(g.trajectories, g.advantages, strict=True):
+                r = t.record()
+                members.append(Member(ref=t, advantage=a, reward=r.reward.value if r.reward else 0.0,
+                                      tokens=r.tokens, loss_tokens=r.loss_tokens,
+                                      task_id=r.task_id, min_version=r.min_version,
+                                      max_version=r.max_version))
+            self.groups.append(GroupRecord(
+                group_id=g.group_id, task_id=g.task_id, members=members, rewards=g.rewards,
+                min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at))
         self.counts = collections.Counter(data["counts"])
         self._notify()

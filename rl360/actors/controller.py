@@ -27,7 +27,7 @@ import msgspec
 
 from rl360.envs.tasks import iter_tasks
 from rl360.recipe import TrainSection
-from rl360.types import Task
+from rl360.types import EpisodeRecord, Task
 
 log = logging.getLogger("rl360.controller")
 
@@ -35,7 +35,8 @@ log = logging.getLogger("rl360.controller")
 @dataclass
 class _Group:
     task: Task
-    refs: list[Any]
+    records: list[Any]  # ObjectRef[EpisodeRecord] per episode: what the controller fetches
+    refs: list[Any]  # ObjectRef[Trajectory] per episode: handed on, never fetched here
     batch: int
     started: float = field(default_factory=time.monotonic)
 
@@ -110,7 +111,7 @@ class RolloutController:
             if t is not None:
                 t.cancel()
         for g in self.inflight.values():
-            for r in g.refs:
+            for r in g.records:
                 ray.cancel(r)
         return await self.status()
 
@@ -134,12 +135,15 @@ class RolloutController:
             task = self._next_task(self.started // self.cfg.groups_per_batch)
             gid = f"g{self.seq:07d}-{task.id}"
             self.seq += 1
-            refs = []
+            records, refs = [], []
             for _ in range(self.cfg.group_size):
                 actor = self.env_actors[self._rr % len(self.env_actors)]
                 self._rr += 1
-                refs.append(actor.run.remote(task, gid, self.sampling))
-            self.inflight[gid] = _Group(task, refs, self.started // self.cfg.groups_per_batch)
+                record, data = actor.rollout.remote(task, gid, self.sampling)
+                records.append(record)
+                refs.append(data)
+            self.inflight[gid] = _Group(task, records, refs,
+                                        self.started // self.cfg.groups_per_batch)
             self.started += 1
             w = asyncio.get_running_loop().create_task(self._watch(gid), name=f"rl360-watch-{gid}")
             self._watchers.add(w)
@@ -189,8 +193,8 @@ class RolloutController:
         import ray
 
         g = self.inflight[gid]
-        try:
-            await asyncio.gather(*g.refs)
+        try:  # the small records only: the trajectories stay where the env actors put them
+            records: list[EpisodeRecord] = list(await asyncio.gather(*g.records))
         except (ray.exceptions.TaskCancelledError, asyncio.CancelledError):
             return  # tail-cancelled: the canceller re-queued the task
         except Exception as exc:  # an env actor died: its episodes are infra failures
@@ -212,7 +216,8 @@ class RolloutController:
         oldest = min((x.batch for x in self.inflight.values()), default=g.batch)
         for old in [b for b in self.done_times if b < oldest]:  # bounded: no group needs them
             del self.done_times[old]
-        if not await self.buffer.add_group.remote(gid, g.task.id, [g.refs]):
+        self.counts["record_bytes"] += sum(len(msgspec.msgpack.encode(r)) for r in records)
+        if not await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs]):
             # filtered (no reward variance, or all infra failures): its batch slot goes to
             # another group, or the staleness gate would wait for a batch that never fills
             self.started -= 1
@@ -237,7 +242,7 @@ class RolloutController:
             for gid, g in list(self.inflight.items()):
                 if g.batch == oldest and now - g.started > limit:
                     self.inflight.pop(gid)
-                    for r in g.refs:
+                    for r in g.records:  # cancels the episode (both of its returns)
                         ray.cancel(r)
                     self.requeued.append((g.task, g.batch + 1))  # not in the batch it stalled
                     self.counts["tail_cancelled_groups"] += 1

@@ -3,8 +3,10 @@
 An episode opens a session on the session server, runs the agent (the built-in tool loop over
 an Env, or a user's agent function), verifies, closes the session and returns the Trajectory:
 the ledger's tokens, mask, logprobs and versions, the reward and its components, timings and a
-status. Calling `EnvActor.run.remote(...)` gives an ObjectRef[Trajectory]; the data stays in
-the object store until the trainer reads it. Infrastructure failures come back as
+status. `EnvActor.run.remote(...)` gives an ObjectRef[Trajectory]; `rollout.remote(...)` (what
+the rollout controller calls) gives two refs, a small EpisodeRecord and the Trajectory, so the
+controller and the buffer decide on the record while the tokens stay in the object store until
+the trainer rank that trains on them fetches them. Infrastructure failures come back as
 `infra_error` with the reason, never as reward 0.
 """
 
@@ -26,7 +28,7 @@ from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
 from rl360.envs.registry import build_env, resolve
 from rl360.recipe import EnvSection, SandboxLimits
-from rl360.types import Task, Trajectory
+from rl360.types import EpisodeRecord, Task, Trajectory
 
 log = logging.getLogger("rl360.env")
 
@@ -158,6 +160,13 @@ class EnvActor:
             return traj
         finally:
             self.running -= 1
+
+    @ray.method(num_returns=2)
+    async def rollout(self, task: Task, group_id: str = "",
+                      sampling: dict[str, Any] | None = None) -> tuple[EpisodeRecord, Trajectory]:
+        """`run`, returned as (its EpisodeRecord, the Trajectory): two object refs."""
+        traj = await self.run(task, group_id, sampling)
+        return traj.record(), traj
 
     async def load(self) -> int:
         return self.running

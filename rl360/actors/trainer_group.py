@@ -14,6 +14,7 @@ nodes can read (one machine, or a shared filesystem).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import ray
 
+from rl360.actors.buffer import RefBatch, to_samples
 from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
 from rl360.recipe import TrainerSection
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rl360.trainer_group")
 
 _SUMMED = ("local_tokens", "local_seqs")
+STALENESS_PREFIX = "staleness_tokens/"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -46,15 +49,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def split_by_tokens(samples: list[TrainSample], world_size: int) -> list[list[int]]:
-    """Sample indices per rank, longest first onto the rank with the fewest tokens (LPT)."""
+def split_by_tokens(lengths: list[int], world_size: int) -> list[list[int]]:
+    """Indices per rank, longest first onto the rank with the fewest tokens (LPT), given each
+    sequence's length."""
     loads = [0] * world_size
     shards: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens)):
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         r = min(range(world_size), key=lambda r: (loads[r], r))
         shards[r].append(i)
-        loads[r] += len(samples[i].tokens)
+        loads[r] += lengths[i]
     return [sorted(s) for s in shards]
+
+
+def staleness_tokens(samples: list[TrainSample], version: int) -> dict[str, float]:
+    """Loss tokens by staleness (the trainer's version minus the version that sampled them),
+    as summable metrics `staleness_tokens/<k>`."""
+    hist: collections.Counter[int] = collections.Counter()
+    for s in samples:
+        for v, m in zip(s.versions, s.mask, strict=False):
+            if m and v >= 0:
+                hist[version - v] += 1
+    return {f"{STALENESS_PREFIX}{k}": float(c) for k, c in sorted(hist.items())}
 
 
 class TrainerWorker:
@@ -99,6 +114,20 @@ class TrainerWorker:
     def train_step(self, batch_bytes: bytes, global_tokens: int, global_seqs: int) -> dict[str, float]:
         batch = msgspec.msgpack.decode(batch_bytes, type=Batch)
         return self.trainer.train_step(batch, global_tokens, global_seqs)
+
+    def train_step_refs(self, wrapped: list[list[Any]], advantages: list[float], step: int,
+                        version: int, global_tokens: int, global_seqs: int) -> dict[str, float]:
+        """Train on this rank's shard of a RefBatch: fetch its trajectories here (the refs come
+        inside a list, so Ray hands them over unresolved), turn them into samples."""
+        items = wrapped[0]
+        refs = [i for i, x in enumerate(items) if isinstance(x, ray.ObjectRef)]
+        fetched = dict(zip(refs, ray.get([items[i] for i in refs]), strict=True)) if refs else {}
+        trajs = [fetched.get(i, x) for i, x in enumerate(items)]
+        samples = to_samples(trajs, advantages)
+        batch = Batch(samples=samples, step=step, policy_version=version)
+        metrics = self.trainer.train_step(batch, global_tokens, global_seqs)
+        metrics.update(staleness_tokens(samples, version))
+        return metrics
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         return self.trainer.state_dict_for_sync()
@@ -204,25 +233,35 @@ class TrainerGroup:
 
     # ------------------------------------------------------------------ stepping
 
-    def _shards(self, batch: Batch) -> tuple[list[Any], int, int]:
-        if isinstance(batch, ray.ObjectRef):
-            batch = ray.get(batch)
-        tokens, seqs = global_denominators(s.mask for s in batch.samples)
+    def _shards(self, batch: Batch | RefBatch) -> list[Any]:
+        """One train_step call per rank, each on its shard (balanced by tokens; tensor-parallel
+        peers of one data-parallel replica get the same shard). A RefBatch's shards are refs
+        that every rank fetches itself; a Batch at hand is encoded per rank."""
         dp = [int(i.get("dp_rank", r)) for r, i in enumerate(self.info)]
-        parts = split_by_tokens(batch.samples, max(dp) + 1)
-        refs = []
+        if isinstance(batch, RefBatch):
+            members = batch.members
+            tokens, seqs = batch.loss_tokens, batch.seqs
+            parts = split_by_tokens([m.tokens for m in members], max(dp) + 1)
+            return [w.train_step_refs.remote(
+                        [[members[i].ref for i in parts[d]]],
+                        [members[i].advantage for i in parts[d]],
+                        batch.step, batch.policy_version, tokens, seqs)
+                    for w, d in zip(self.workers, dp, strict=True)]
+        tokens, seqs = global_denominators(s.mask for s in batch.samples)
+        parts = split_by_tokens([len(s.tokens) for s in batch.samples], max(dp) + 1)
+        calls = []
         for w, d in zip(self.workers, dp, strict=True):
-            idx = parts[d]
-            shard = Batch(samples=[batch.samples[i] for i in idx], step=batch.step,
+            shard = Batch(samples=[batch.samples[i] for i in parts[d]], step=batch.step,
                           policy_version=batch.policy_version)
-            refs.append(w.train_step.remote(msgspec.msgpack.encode(shard), tokens, seqs))
-        return refs, tokens, seqs
+            calls.append(w.train_step.remote(msgspec.msgpack.encode(shard), tokens, seqs))
+        return calls
 
     def _merge(self, results: list[dict[str, float]]) -> dict[str, float]:
         merged = dict(results[0])  # ranks all-reduce their metrics: rank 0's are global
         # one result per data-parallel replica (tensor-parallel peers saw the same samples)
         results = [r for r, i in zip(results, self.info, strict=True) if not i.get("tp_rank", 0)]
-        for k in _SUMMED:
+        summed = set(_SUMMED) | {k for r in results for k in r if k.startswith(STALENESS_PREFIX)}
+        for k in summed:
             merged[k] = sum(r.get(k, 0.0) for r in results)
         merged["step_time_s"] = max(r["step_time_s"] for r in results)
         merged["workers"] = float(self.world_size)
@@ -231,10 +270,9 @@ class TrainerGroup:
         merged["rank_token_imbalance"] = max(loads) / mean if mean > 0 else 1.0
         return merged
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on the whole batch (blocking); merged metrics."""
-        refs, _, _ = self._shards(batch)
-        return self._merge(self._get(refs, "train_step"))
+    def train_step(self, batch: Batch | RefBatch) -> dict[str, float]:
+        """The trainer's step(s) on the whole batch (blocking); merged metrics."""
+        return self._merge(self._get(self._shards(batch), "train_step"))
 
     # ------------------------------------------------------------------ weights and state
 

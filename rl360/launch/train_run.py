@@ -13,7 +13,6 @@ position in the task stream; `--resume` continues from the newest one, so a run 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import shutil
 import sys
@@ -28,7 +27,7 @@ import ray
 from rl360.actors.buffer import TrajectoryBuffer
 from rl360.actors.controller import RolloutController
 from rl360.actors.metrics import MetricsSink
-from rl360.actors.trainer_group import TrainerGroup
+from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.stack import Stack, running_stack
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
@@ -44,12 +43,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def staleness_stats(batch: Any) -> tuple[dict[str, int], float, float]:
-    hist: collections.Counter[int] = collections.Counter()
-    for s in batch.samples:
-        for v, m in zip(s.versions, s.mask, strict=True):
-            if m:
-                hist[batch.policy_version - v] += 1
+def staleness_stats(metrics: dict[str, float]) -> tuple[dict[str, int], float, float]:
+    """(loss tokens by staleness, mean, max) from the trainer ranks' summed histogram."""
+    hist = {int(k[len(STALENESS_PREFIX):]): int(v) for k, v in metrics.items()
+            if k.startswith(STALENESS_PREFIX)}
     n = sum(hist.values())
     mean = sum(k * c for k, c in hist.items()) / n if n else 0.0
     return {str(k): c for k, c in sorted(hist.items())}, mean, float(max(hist) if hist else 0)
@@ -177,8 +174,8 @@ class TrainRun:
                     print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
                 return
             t_wait = time.monotonic() - t0
-            hist, st_mean, st_max = staleness_stats(batch)
             m = actors.trainer.train_step(batch)
+            hist, st_mean, st_max = staleness_stats(m)
             t_train = time.monotonic() - t0 - t_wait
             self.version += 1
             sync_s = 0.0
@@ -193,7 +190,7 @@ class TrainRun:
             engines = wstat.get("engines", {})
             engine_idle = _engine_idle(engines, last_engine)
             last_engine = engines
-            trained_tokens = sum(sum(s.mask) for s in batch.samples)
+            trained_tokens = batch.loss_tokens
             assert self.sink is not None
             self.sink.log({
                 "step": step, "policy_version": self.version, "reward_mean": stats["reward_mean"],
@@ -208,7 +205,10 @@ class TrainRun:
                 "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
                 "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
                 "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
-                "samples": len(batch.samples),
+                "samples": len(batch.members),
+                "is_ess_frac": m.get("is_ess_frac"), "sampler_kl": m.get("sampler_kl"),
+                "tis_capped_frac": m.get("tis_capped_frac"),
+                "optimizer_steps": m.get("optimizer_steps"),
                 "in_flight_episodes": cstat["in_flight_episodes"],
                 **{k: v for k, v in stats.items() if k.startswith("count/")},
                 **{k: v for k, v in cstat.items() if k.startswith("count/")},

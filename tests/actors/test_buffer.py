@@ -30,10 +30,10 @@ async def test_infra_failure_does_not_move_the_other_advantages() -> None:
     clean.add_trajectories("g", "t", [traj(1.0), traj(0.0), traj(0.5)])
     with_infra.add_trajectories("g", "t", [traj(1.0), traj(0.0), traj(None, status="infra_error"),
                                           traj(0.5)])
-    a = [s.advantage for s in (await clean.next_batch(0, 1)).samples]  # type: ignore[union-attr]
+    a = [m.advantage for m in (await clean.next_batch(0, 1)).members]  # type: ignore[union-attr]
     b = (await with_infra.next_batch(0, 1))
-    assert b is not None and len(b.samples) == 3  # the infra sample is not trained on
-    assert [s.advantage for s in b.samples] == pytest.approx(a)
+    assert b is not None and len(b.members) == 3  # the infra episode is not trained on
+    assert [m.advantage for m in b.members] == pytest.approx(a)
     stats = await with_infra.take_recent_stats()
     assert stats["episodes"] == 3 and stats["reward_mean"] == pytest.approx(0.5)
 
@@ -51,7 +51,7 @@ async def test_stale_groups_are_dropped_and_fresh_ones_batched() -> None:
     buf.add_trajectories("old", "t", [traj(1.0, version=0), traj(0.0, version=0)])
     buf.add_trajectories("new", "t", [traj(1.0, version=2), traj(0.0, version=2)])
     batch = await buf.next_batch(trainer_version=2, step=3)
-    assert batch is not None and {s.versions[-1] for s in batch.samples} == {2}
+    assert batch is not None and {m.max_version for m in batch.members} == {2}
     assert (await buf.take_recent_stats())["count/groups_dropped_stale"] == 1
 
 
@@ -63,7 +63,7 @@ async def test_next_batch_waits_for_a_full_batch() -> None:
     assert not waiter.done()
     buf.add_trajectories("g2", "t", [traj(1.0), traj(0.0)])
     batch = await waiter
-    assert batch is not None and len(batch.samples) == 4
+    assert batch is not None and len(batch.members) == 4
     assert await buf.next_batch(0, 2, timeout_s=0.05) is None
 
 

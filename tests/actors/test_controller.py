@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+import ray
 
 from rl360.recipe import TrainSection, checked
 from rl360.types import Reward, Task, Trajectory
@@ -22,6 +23,11 @@ class FakeEnvActor:
 
     def set_version(self, v: int) -> None:
         self.version = v
+
+    @ray.method(num_returns=2)
+    async def rollout(self, task: Task, group_id: str, sampling: dict | None = None) -> tuple:
+        t = await self.run(task, group_id, sampling)
+        return t.record(), t
 
     async def run(self, task: Task, group_id: str, sampling: dict | None = None) -> Trajectory:
         self.started.append((group_id, self.version))
@@ -68,8 +74,8 @@ def test_synchronous_mode_never_runs_ahead_of_the_weights(ray_cluster, tasks_fil
     env, buf, pub, ctl = start(ray, tasks_file, staleness=0)
     for version in range(3):
         batch = ray.get(buf.next_batch.remote(version, version + 1, 20.0))
-        assert batch is not None and len(batch.samples) == 4
-        assert {v for s in batch.samples for v in s.versions if v >= 0} == {version}
+        assert batch is not None and len(batch.members) == 4
+        assert {v for m in batch.members for v in (m.min_version, m.max_version)} == {version}
         time.sleep(0.2)  # the controller must be idle now: batch version+1 needs new weights
         st = ray.get(ctl.status.remote())
         assert st["groups_started"] == 2 * (version + 1)
@@ -98,7 +104,7 @@ def test_tail_cancellation_requeues_the_slow_task(ray_cluster, tasks_file) -> No
     _env, buf, _pub, ctl = start(ray, tasks_file, staleness=0, env_kw={"slow_task": "t1"},
                                tail_keep=1, tail_factor=2.0)
     batch = ray.get(buf.next_batch.remote(0, 1, 20.0))  # t1 (slow) is cut, another fills in
-    assert batch is not None and "t1" not in {s.task_id for s in batch.samples}
+    assert batch is not None and "t1" not in {m.task_id for m in batch.members}
     st = ray.get(ctl.status.remote())
     assert st["count/tail_cancelled_groups"] >= 1
     ray.get(ctl.stop.remote())
@@ -122,7 +128,7 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
         train, 1, [env], buf, pub)
     ray.get(ctl.start.remote())
     batch = ray.get(buf.next_batch.remote(0, 1, 20.0))
-    assert batch is not None and {s.task_id for s in batch.samples} <= {"t1", "t3"}
+    assert batch is not None and {m.task_id for m in batch.members} <= {"t1", "t3"}
     assert ray.get(ctl.status.remote())["count/groups_filtered"] >= 1
     ray.get(ctl.stop.remote())
 
@@ -132,6 +138,11 @@ class VarianceEnvActor:
 
     def __init__(self) -> None:
         self.n = 0
+
+    @ray.method(num_returns=2)
+    async def rollout(self, task: Task, group_id: str, sampling: dict | None = None) -> tuple:
+        t = await self.run(task, group_id, sampling)
+        return t.record(), t
 
     async def run(self, task: Task, group_id: str, sampling: dict | None = None) -> Trajectory:
         self.n += 1
