@@ -254,6 +254,15 @@ class TrainSection(_S):
     filter_zero_variance: bool = False
     max_in_flight_groups: PosInt = 64
     capacity_groups: PosInt = 256
+    # an episode that fails on the infrastructure (or whose env actor dies) runs again on
+    # another actor up to this many times, so its group keeps group_size samples
+    episode_reruns: NonNegInt = 1
+    # circuit breaker: stop the run (naming the top failure reasons) after this many groups in
+    # a row that failed entirely on the infrastructure, or when more than breaker_infra_rate of
+    # the last breaker_window episodes did
+    breaker_groups: PosInt = 8
+    breaker_infra_rate: Prob = 0.9
+    breaker_window: PosInt = 256
     tail_keep: NonNegInt = 0  # > 0: cancel slow groups once all but this many are done
     tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
     sync_every: PosInt = 1  # publish weights every k steps

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import statistics
 import time
 from collections.abc import Iterator
@@ -24,12 +25,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import ray
 
 from rl360.envs.tasks import iter_tasks
 from rl360.recipe import TrainSection
 from rl360.types import EpisodeRecord, Task
 
+LOST_COOLDOWN_S = 30.0
+
 log = logging.getLogger("rl360.controller")
+
+
+class ControllerFailed(RuntimeError):
+    """The rollout controller stopped (its circuit breaker tripped, or a task of it broke);
+    the message says why in one line."""
 
 
 @dataclass
@@ -39,6 +48,11 @@ class _Group:
     refs: list[Any]  # ObjectRef[Trajectory] per episode: handed on, never fetched here
     batch: int
     started: float = field(default_factory=time.monotonic)
+    actors: list[int] = field(default_factory=list)  # which env actor runs each episode
+    reruns: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reruns = [0] * len(self.records)
 
 
 def _task_stream(paths: list[str], limit: int) -> Iterator[Task]:
@@ -82,7 +96,10 @@ class RolloutController:
         self._tail_task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
-        self._lost_in_a_row = 0
+        self._all_infra_in_a_row = 0
+        self._lost_at: dict[int, float] = {}  # env actor index -> when it last lost an episode
+        self._window: collections.deque[bool] = collections.deque(maxlen=config.breaker_window)
+        self._reasons: collections.Counter[str] = collections.Counter()
         self._rr = 0
 
     # ------------------------------------------------------------------ control
@@ -105,19 +122,22 @@ class RolloutController:
             log.error("controller task %s failed: %r", task.get_name(), self._failure)
 
     async def stop(self) -> dict[str, Any]:
-        import ray
-
         for t in (self._loop_task, self._tail_task):
             if t is not None:
                 t.cancel()
         for g in self.inflight.values():
             for r in g.records:
                 ray.cancel(r)
-        return await self.status()
+        return self._status()
 
     async def status(self) -> dict[str, Any]:
+        """Progress and counters; raises ControllerFailed once the controller has stopped."""
         if self._failure is not None:
-            raise RuntimeError(f"rollout controller failed: {self._failure!r}")
+            raise ControllerFailed(str(self._failure) if isinstance(self._failure, RuntimeError)
+                                   else f"rollout controller failed: {self._failure!r}")
+        return self._status()
+
+    def _status(self) -> dict[str, Any]:
         return {
             "groups_started": self.started,
             "tasks_taken": self.tasks_taken - len(self.requeued),
@@ -135,15 +155,15 @@ class RolloutController:
             task = self._next_task(self.started // self.cfg.groups_per_batch)
             gid = f"g{self.seq:07d}-{task.id}"
             self.seq += 1
-            records, refs = [], []
+            records, refs, actors = [], [], []
             for _ in range(self.cfg.group_size):
-                actor = self.env_actors[self._rr % len(self.env_actors)]
-                self._rr += 1
-                record, data = actor.rollout.remote(task, gid, self.sampling)
+                a = self._next_actor()
+                record, data = self.env_actors[a].rollout.remote(task, gid, self.sampling)
                 records.append(record)
                 refs.append(data)
+                actors.append(a)
             self.inflight[gid] = _Group(task, records, refs,
-                                        self.started // self.cfg.groups_per_batch)
+                                        self.started // self.cfg.groups_per_batch, actors=actors)
             self.started += 1
             w = asyncio.get_running_loop().create_task(self._watch(gid), name=f"rl360-watch-{gid}")
             self._watchers.add(w)
@@ -189,29 +209,73 @@ class RolloutController:
         self._wake.set()
         self._wake = asyncio.Event()
 
-    async def _watch(self, gid: str) -> None:
-        import ray
+    async def _member(self, gid: str, g: _Group, i: int) -> EpisodeRecord:
+        """Episode i's record (only the record: its trajectory stays where the env actor put
+        it). An episode that failed on the infrastructure, or whose env actor died under it,
+        is re-run on the next actor, `train.episode_reruns` times at most, so a transient
+        failure does not shrink its group (the GRPO baseline stays over group_size)."""
+        try:
+            rec: EpisodeRecord = await g.records[i]
+        except ray.exceptions.TaskCancelledError:
+            raise
+        except Exception as exc:  # the env actor died or its task broke: not the model's doing
+            self.counts["episodes_actor_lost"] += 1
+            self._lost_at[g.actors[i]] = time.monotonic()
+            rec = EpisodeRecord(task_id=g.task.id, group_id=gid, status="infra_error",
+                                reward=None, error=f"env actor lost: {type(exc).__name__}")
+        if rec.status != "infra_error" or g.reruns[i] >= self.cfg.episode_reruns:
+            return rec
+        g.reruns[i] += 1
+        self.counts["episodes_rerun"] += 1
+        g.actors[i] = self._next_actor(avoid=g.actors[i])
+        g.records[i], g.refs[i] = self.env_actors[g.actors[i]].rollout.remote(
+            g.task, gid, self.sampling)
+        return await self._member(gid, g, i)
 
+    def _next_actor(self, avoid: int = -1) -> int:
+        """Round robin over the env actors, skipping one that lost an episode in the last
+        LOST_COOLDOWN_S (it is dead or restarting) and `avoid`, while another is available."""
+        n = len(self.env_actors)
+        now = time.monotonic()
+        for _ in range(n):
+            a = self._rr % n
+            self._rr += 1
+            if a != avoid and now - self._lost_at.get(a, -math.inf) > LOST_COOLDOWN_S:
+                return a
+        a = self._rr % n
+        self._rr += 1
+        return a
+
+    def _breaker(self, records: list[EpisodeRecord]) -> None:
+        """Trip (fail the controller with the top reasons) after `train.breaker_groups`
+        all-infra groups in a row, or when the infra rate over the last `breaker_window`
+        episodes passes `breaker_infra_rate`."""
+        infra = [r for r in records if r.status == "infra_error"]
+        self._reasons.update((r.error or "unknown")[:120] for r in infra)
+        self._window.extend(r.status == "infra_error" for r in records)
+        self._all_infra_in_a_row = self._all_infra_in_a_row + 1 if len(infra) == len(records) else 0
+        rate = sum(self._window) / len(self._window) if self._window else 0.0
+        full = len(self._window) == self._window.maxlen
+        why = (f"{self._all_infra_in_a_row} groups in a row failed on the infrastructure"
+               if self._all_infra_in_a_row >= self.cfg.breaker_groups else
+               f"{rate:.0%} of the last {len(self._window)} episodes failed on the "
+               "infrastructure" if full and rate > self.cfg.breaker_infra_rate else "")
+        if why:
+            top = "; ".join(f"{n}x {reason}" for reason, n in self._reasons.most_common(3))
+            self._failure = RuntimeError(
+                f"circuit breaker: {why}; top reasons: {top} (env actor logs: the Ray "
+                "dashboard's actor pages, or /tmp/ray/session_latest/logs/worker-*)")
+
+    async def _watch(self, gid: str) -> None:
         g = self.inflight[gid]
-        try:  # the small records only: the trajectories stay where the env actors put them
-            records: list[EpisodeRecord] = list(await asyncio.gather(*g.records))
+        try:
+            records = list(await asyncio.gather(*(self._member(gid, g, i)
+                                                  for i in range(len(g.records)))))
         except (ray.exceptions.TaskCancelledError, asyncio.CancelledError):
             return  # tail-cancelled: the canceller re-queued the task
-        except Exception as exc:  # an env actor died: its episodes are infra failures
-            log.warning("group %s lost episodes: %r", gid, exc)
-            self.counts["groups_lost"] += 1
-            self._lost_in_a_row += 1
-            if self._lost_in_a_row > 2 * self.cfg.max_in_flight_groups:
-                self._failure = RuntimeError(
-                    f"{self._lost_in_a_row} groups in a row lost their episodes; last: {exc!r}")
-            if self.inflight.pop(gid, None) is not None:
-                self.started -= 1
-            self.requeued.append((g.task, g.batch))
-            self._notify()
-            return
+        self._breaker(records)
         if self.inflight.pop(gid, None) is None:
             return
-        self._lost_in_a_row = 0
         self.done_times[g.batch].append(time.monotonic() - g.started)
         oldest = min((x.batch for x in self.inflight.values()), default=g.batch)
         for old in [b for b in self.done_times if b < oldest]:  # bounded: no group needs them
@@ -226,8 +290,6 @@ class RolloutController:
         self._notify()
 
     async def _tail_loop(self) -> None:
-        import ray
-
         gpb = self.cfg.groups_per_batch
         while True:
             await asyncio.sleep(0.25)

@@ -221,8 +221,11 @@ class EnvPool:
         options = with_plain_asyncio(actor_options or {"num_cpus": env.num_cpus})
         cls = ray.remote(EnvActor)
         self.actors = [
+            # a dead env actor is restarted (it holds no state a restart needs); its episodes
+            # in flight fail and the controller re-runs them on another actor
             cls.options(name=f"rl360-env-{i}", namespace=namespace,
-                        max_concurrency=env.episodes_per_actor, get_if_exists=True, **options)
+                        max_concurrency=env.episodes_per_actor, get_if_exists=True,
+                        max_restarts=-1, max_task_retries=0, **options)
             .remote(env, sampling, shard_names, namespace, base_url)
             for i in range(env.actors)
         ]

@@ -25,7 +25,7 @@ import msgspec
 import ray
 
 from rl360.actors.buffer import TrajectoryBuffer
-from rl360.actors.controller import RolloutController
+from rl360.actors.controller import ControllerFailed, RolloutController
 from rl360.actors.metrics import MetricsSink
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.stack import Stack, running_stack
@@ -148,6 +148,11 @@ class TrainRun:
                 ray.get(actors.controller.start.remote(int(self.meta.get("groups_started", 0)),
                                                        int(self.meta.get("tasks_taken", 0))))
                 self.loop(stack, actors, transport)
+            except ray.exceptions.RayTaskError as exc:
+                if not isinstance(exc.cause, ControllerFailed):
+                    raise
+                print(f"rl360: {exc.cause}", file=sys.stderr)
+                return 1
             finally:
                 try:
                     ray.get(actors.controller.stop.remote(), timeout=30)
@@ -168,7 +173,10 @@ class TrainRun:
         for step in range(self.step0 + 1, tr.steps + 1):
             t0 = time.monotonic()
             batch = self._next_batch(actors, step)
-            if batch is None:  # stopped by Ctrl-C / SIGTERM: keep what was learned
+            if batch is None:  # Ctrl-C / SIGTERM, or the time budget ran out while waiting
+                if not STOP.requested:
+                    print(f"rl360: time budget of {tr.max_minutes:g} min reached while waiting "
+                          f"for the batch of step {step}")
                 if step > self.step0 + 1:
                     path = self.checkpoint(step - 1, actors)
                     print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
@@ -225,8 +233,9 @@ class TrainRun:
                     return
 
     def _next_batch(self, actors: TrainActors, step: int) -> Any:
-        """The batch of `step` from the buffer, or None once a stop was requested."""
-        while not STOP.requested:
+        """The batch of `step` from the buffer; None once a stop was requested or the time
+        budget is spent. A failed controller (its circuit breaker, say) raises here."""
+        while not STOP.requested and (self.deadline is None or time.monotonic() < self.deadline):
             batch = ray.get(actors.buffer.next_batch.remote(self.version, step, 2.0))
             if batch is not None:
                 return batch

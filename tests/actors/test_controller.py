@@ -4,6 +4,7 @@ flight, refs (not data) reach the buffer, the staleness gate holds, tail cancell
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -151,3 +152,72 @@ class VarianceEnvActor:
         return Trajectory(session_id="s", tokens=[1, 2], mask=[0, 1], logprobs=[None, -0.1],
                           versions=[None, 0], provenance=["prompt", "generated"],
                           task_id=task.id, group_id=group_id, reward=Reward(r))
+
+
+class InfraEnvActor:
+    """Every episode fails on the infrastructure (a sandbox that never starts)."""
+
+    @ray.method(num_returns=2)
+    async def rollout(self, task: Task, group_id: str, sampling: dict | None = None) -> tuple:
+        t = Trajectory(session_id="", tokens=[], mask=[], logprobs=[], versions=[], provenance=[],
+                       task_id=task.id, group_id=group_id, status="infra_error",
+                       error="sandbox start failed: bwrap: setting up uid map: Permission denied")
+        return t.record(), t
+
+
+class DyingEnvActor:
+    """Dies (the whole worker process) in its first episode."""
+
+    @ray.method(num_returns=2)
+    async def rollout(self, task: Task, group_id: str, sampling: dict | None = None) -> tuple:
+        import os
+
+        os._exit(1)
+
+
+def test_an_episode_whose_actor_dies_is_rerun_and_the_group_stays_whole(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import RolloutController
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+                    max_staleness=0, max_in_flight_groups=2)
+    dying = ray.remote(DyingEnvActor).options(max_restarts=0).remote()
+    good = ray.remote(FakeEnvActor).remote()
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
+    pub = ray.remote(WeightPublisher).remote()
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
+        train, 1, [dying, good], buf, pub)
+    ray.get(ctl.start.remote())
+    batch = ray.get(buf.next_batch.remote(0, 1, 60.0))
+    assert batch is not None and len(batch.members) == 4  # every group kept group_size samples
+    status = ray.get(ctl.stop.remote())
+    assert status["count/episodes_actor_lost"] >= 1
+    assert status["count/episodes_rerun"] >= status["count/episodes_actor_lost"]
+
+
+def test_the_circuit_breaker_stops_a_run_that_only_fails_on_infrastructure(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import ControllerFailed, RolloutController
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+                    max_staleness=0, max_in_flight_groups=2, breaker_groups=3)
+    env = ray.remote(InfraEnvActor).remote()
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
+    pub = ray.remote(WeightPublisher).remote()
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
+        train, 1, [env], buf, pub)
+    ray.get(ctl.start.remote())
+    deadline = time.monotonic() + 60
+    with pytest.raises(ray.exceptions.RayTaskError) as err:
+        while time.monotonic() < deadline:
+            ray.get(ctl.status.remote())
+            time.sleep(0.2)
+    assert isinstance(err.value.cause, ControllerFailed)
+    text = str(err.value.cause)
+    assert "\n" not in text
+    assert re.match(r"circuit breaker: [3-9] groups in a row failed on the infrastructure", text)
+    assert "bwrap: setting up uid map: Permission denied" in text
+    status = ray.get(ctl.stop.remote())
+    assert status["count/episodes_rerun"] >= 3  # each infra episode was tried once more
