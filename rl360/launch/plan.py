@@ -30,6 +30,7 @@ from rl360.launch.placement import (
     plural,
     role_resource,
 )
+from rl360.launch.support import support_problems
 from rl360.recipe import ClusterRole, Recipe
 
 # ---------------------------------------------------------------------------- node lists
@@ -203,6 +204,8 @@ def describe_recipe(recipe: Recipe, path: str) -> list[str]:
         dp = t.workers // mp if t.workers % mp == 0 else "?"
         layout = (f", TP {t.tensor_parallel} x PP {t.pipeline_parallel} x CP "
                   f"{t.context_parallel} x DP {dp}, EP {t.expert_parallel}")
+    elif t.backend == "fsdp":
+        layout = f", FSDP2-sharded data parallel {t.workers}"
     else:
         layout = f", data parallel {t.workers}"
     lines.append(f"trainer   {t.backend}: {plural(t.workers, 'rank')} x "
@@ -308,6 +311,11 @@ def render(plan: Plan, recipe: Recipe, path: str) -> str:
 
 
 def plan_command(recipe: Recipe, args: argparse.Namespace) -> int:
+    problems = support_problems(recipe)
+    for p in problems:
+        print(f"rl360 plan: {p}", file=sys.stderr)
+    if problems:
+        return 2
     try:
         nodes, source = resolve_nodes(recipe, args.nodes, args.address)
         plan = plan_placement(recipe, nodes, source)
