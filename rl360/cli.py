@@ -109,6 +109,14 @@ def _slurm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth", choices=["token", "disabled"], default="token",
                    help="Ray token auth on the cluster (token: ~/.ray/auth_token, shared home)")
     p.add_argument("--submit", action="store_true", help="run sbatch on the written script")
+    p.add_argument("--container-image", default="", metavar="IMAGE",
+                   help="run every node's commands in this image (docker/Dockerfile), e.g. "
+                        "rl360:gpu or a .sqsh/.sif file")
+    p.add_argument("--container-runtime", choices=["pyxis", "apptainer"], default="pyxis",
+                   help="how: Pyxis (srun --container-image) or Apptainer (apptainer exec "
+                        "--nv); default: %(default)s")
+    p.add_argument("--container-mounts", default="", metavar="SRC[:DST],...",
+                   help="extra binds besides the working directory, e.g. /models,/shared")
 
 
 @dataclass(frozen=True)

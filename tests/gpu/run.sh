@@ -49,6 +49,13 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(" ".join(d for d in deps if not d.startswith("torch")), "httpx>=0.27")
 EOF
 )"
+pins() {  # the exact pins of pyproject extras (the one place GPU versions live)
+  "$PY" -c 'import sys, tomllib
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+print(" ".join(x for e in sys.argv[1:] for x in extras[e]))' "$@"
+}
+SGLANG_PINS="$(pins sglang megatron)"
+VLLM_PINS="$(pins vllm)"
 
 make_venv() {  # name, packages...
   local name="$1"; shift
@@ -58,9 +65,11 @@ make_venv() {  # name, packages...
   timeout "$T_INSTALL" "$venv/bin/pip" install --disable-pip-version-check -q \
     "$@" $DEPS >>"$LOGS/install-$name.log" 2>&1
 }
-note "installing: sglang + megatron-core venv, vllm venv (in parallel, ${T_INSTALL}s each)"
-make_venv sglang "sglang>=0.5" "megatron-core>=0.16" & P1=$!
-make_venv vllm "vllm>=0.10" & P2=$!
+note "installing: $SGLANG_PINS venv, $VLLM_PINS venv (in parallel, ${T_INSTALL}s each)"
+# shellcheck disable=SC2086
+make_venv sglang $SGLANG_PINS & P1=$!
+# shellcheck disable=SC2086
+make_venv vllm $VLLM_PINS & P2=$!
 wait $P1; RC1=$?; wait $P2; RC2=$?
 for pair in "sglang:$RC1" "vllm:$RC2"; do
   n="${pair%%:*}"; rc="${pair##*:}"
