@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from rl360.launch.estimate import estimate, render_estimate
 from rl360.launch.placement import (
     ROLE_CAPACITY,
     ROLES,
@@ -31,6 +32,7 @@ from rl360.launch.placement import (
     role_resource,
 )
 from rl360.launch.support import support_problems
+from rl360.launch.throughput import EstimateError, figures_for
 from rl360.recipe import ClusterRole, Recipe
 
 # ---------------------------------------------------------------------------- node lists
@@ -322,7 +324,19 @@ def plan_command(recipe: Recipe, args: argparse.Namespace) -> int:
     except PlacementError as exc:
         print(f"rl360 plan: {exc}", file=sys.stderr)
         return 2
-    text = msgspec.json.encode(plan).decode() if args.json else render(plan, recipe, args.recipe)
+    est = None
+    if getattr(args, "estimate", False) or getattr(args, "metrics", ""):
+        try:
+            est = estimate(recipe, figures_for(recipe, args.metrics, args.throughput))
+        except EstimateError as exc:
+            print(f"rl360 plan: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        text = msgspec.json.encode({"plan": plan, "estimate": est} if est else plan).decode()
+    else:
+        text = render(plan, recipe, args.recipe)
+        if est is not None:
+            text += "\n\n" + "\n".join(render_estimate(est, recipe))
     try:
         print(text, flush=True)
     except BrokenPipeError:  # `rl360 plan ... | head`

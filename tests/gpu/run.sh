@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a lent GPU machine (one H200, 16 cores, no internet), under
-# 8 minutes. Everything is built from configs: no model or data downloads.
+# 11 minutes. Everything is built from configs: no model or data downloads.
 #
 #   bash tests/gpu/run.sh                # from the repository root (a copy of the working tree)
 #
@@ -11,6 +11,8 @@
 #   megatron-step  one `rl360 train` step with --set trainer.backend=megatron on the GPU
 #   sglang-bench   tokens/s through the session server vs SGLang's own API ({"bench": ...})
 #   vllm-bench     the same for vLLM
+#   fsdp-train     3 steps of `rl360 train` on one GPU: SGLang engine, FSDP trainer, NCCL (CUDA
+#                  IPC, colocated) weight sync, the Qwen2-0.5B-shaped model (phase C)
 # Setup: two venvs (--system-site-packages, so what the machine already has is used): one with
 # sglang + megatron-core, one with vllm (they pin different torch builds). pip honours
 # PIP_INDEX_URL / PIP_FIND_LINKS for a local mirror or wheelhouse; without one the installs
@@ -156,9 +158,30 @@ run_part sglang-bench "$T_PHASE" "$SPY" sglang,ray tests/gpu/gpu_check.py bench 
 wait "${PIDS[@]}"
 for p in vllm-parity sglang-bench; do part_status "$p"; done
 
+# the real loop on one GPU: engine and trainer share it (half each), weights by CUDA IPC
+TRAIN_SETS=(--set "run.name=gpu-train" --set "run.out_dir=\"$WORK/runs\"" --set "model.path='$MODEL'"
+  --set "model.family='qwen2'" --set "model.dtype='bfloat16'" --set "train.init=''"
+  --set "ray.dashboard=false" --set "env.actors=1" --set "env.episodes_per_actor=16"
+  --set "engine.backend='sglang'" --set "engine.num_gpus=0.5" --set "engine.num_cpus=2"
+  --set "engine.options={mem_fraction_static=0.35}"
+  --set "trainer.backend='fsdp'" --set "trainer.num_gpus=0.5" --set "trainer.num_cpus=2"
+  --set "trainer.dtype='bfloat16'" --set "trainer.micro_batch_size=4"
+  --set "train.weight_transport='collective'" --set "train.weight_sync_backend='nccl'"
+  --set "train.steps=3" --set "train.group_size=2" --set "train.groups_per_batch=4"
+  --set "train.task_limit=4" --set "train.tasks=['examples/tasks/code.jsonl']"
+  --set "train.sampling.max_tokens=32" --set "train.checkpoint_every=0"
+  --set "train.wandb='disabled'")
+note "phase C (${T_PHASE}s): fsdp-train"
+PIDS=()
+RAY_ADDRESS=local run_part fsdp-train "$T_PHASE" "$SPY" sglang,ray -m rl360 train recipes/cpu-demo.toml \
+  "${TRAIN_SETS[@]}"
+wait "${PIDS[@]}"
+part_status fsdp-train
+grep -E "^step " "$LOGS/fsdp-train.log" 2>/dev/null | tee -a "$LOGS/run.log"
+
 # ---------------------------------------------------------------- summary
 note "summary (total $(( $(date +%s) - START ))s):"
-for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench; do
+for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench fsdp-train; do
   printf '  %-14s %s\n' "$p" "${STATUS[$p]:-NOT RUN}" | tee -a "$LOGS/run.log"
 done
 for p in sglang-bench vllm-bench; do  # their last line is the bench JSON
@@ -168,7 +191,7 @@ done
 {
   echo "{"
   first=1
-  for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench; do
+  for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench fsdp-train; do
     [ $first -eq 1 ] || echo ","
     first=0
     printf '  "%s": "%s"' "$p" "${STATUS[$p]:-NOT RUN}"
