@@ -166,7 +166,7 @@ TRAIN_SETS=(--set "run.name=gpu-train" --set "run.out_dir=\"$WORK/runs\"" --set 
   --set "engine.options={mem_fraction_static=0.35}"
   --set "trainer.backend='fsdp'" --set "trainer.num_gpus=0.5" --set "trainer.num_cpus=2"
   --set "trainer.dtype='bfloat16'" --set "trainer.micro_batch_size=4"
-  --set "train.weight_transport='collective'" --set "train.weight_sync_backend='nccl'"
+  --set "train.weight_sync={transport='collective', backend='nccl'}"
   --set "train.steps=3" --set "train.group_size=2" --set "train.groups_per_batch=4"
   --set "train.task_limit=4" --set "train.tasks=['examples/tasks/code.jsonl']"
   --set "train.sampling.max_tokens=32" --set "train.checkpoint_every=0"
