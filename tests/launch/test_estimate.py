@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rl360.launch.estimate import estimate
-from rl360.launch.plan import plan_main
+from rl360.launch.plan import plan_command
 from rl360.launch.throughput import EstimateError, Figures, figures_for, override, refine
 from rl360.recipe import load_recipe
 
@@ -24,6 +24,11 @@ METRICS = Path(__file__).parent / "data" / "cpu-demo-metrics.jsonl"
 
 def _rows() -> list[dict]:
     return [json.loads(x) for x in METRICS.read_text().splitlines() if x.strip()]
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """`rl360 plan` as the CLI runs it: the recipe loaded from args, then the handler."""
+    return plan_command(load_recipe(args.recipe, args.overrides), args)
 
 
 def test_prediction_is_within_30_percent_of_the_demo_step_time(tmp_path: Path) -> None:
@@ -116,12 +121,12 @@ def _args(*extra: str, metrics: str = "", throughput: list[str] | None = None,
 def test_plan_prints_the_estimate(capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert plan_main(_args(metrics=str(METRICS))) == 0
+    assert _plan(_args(metrics=str(METRICS))) == 0
     out = capsys.readouterr().out
     assert "\nestimate  " in out and "bottleneck   rollout" in out
     assert f"{METRICS.name} (" in out
-    assert plan_main(_args(metrics="/nowhere.jsonl")) == 2
+    assert _plan(_args(metrics="/nowhere.jsonl")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rl360 plan: --metrics '/nowhere.jsonl'")
-    assert plan_main(_args(recipe=DENSE)) == 0
+    assert _plan(_args(recipe=DENSE)) == 0
     assert "balance" in capsys.readouterr().out

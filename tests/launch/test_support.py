@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rl360.launch.plan import plan_main
+from rl360.launch.plan import plan_command
 from rl360.launch.preflight import check_support
 from rl360.launch.support import model_family, support_problems
 from rl360.policies.support import TRAINER_SUPPORT
@@ -41,6 +41,11 @@ def _plan_args(recipe: Path, *overrides: str) -> argparse.Namespace:
                               throughput=[])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`rl360 plan` as the CLI runs it: the recipe loaded from args, then the handler."""
+    return plan_command(load_recipe(args.recipe, args.overrides), args)
+
+
 def test_every_backend_name_declares_its_support() -> None:
     def names(section: type, field: str) -> set[str]:
         hints = typing.get_type_hints(section, include_extras=True)
@@ -57,7 +62,7 @@ def test_shipped_recipe_passes_plan_and_preflight_support(
     recipe = load_recipe(path)
     assert support_problems(recipe) == []
     assert all(c.status != "fail" for c in check_support(recipe))
-    assert plan_main(_plan_args(path)) == 0, capsys.readouterr().err
+    assert _plan(_plan_args(path)) == 0, capsys.readouterr().err
     if recipe.model.path.startswith("/models/"):  # a cluster recipe: its family is declared
         assert recipe.model.family != "auto"
 
@@ -68,7 +73,7 @@ def test_gpu_recipes_fail_as_they_used_to_on_megatron(
     on a MoE. `rl360 plan` refuses them in one line each, naming key and support."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     dense = REPO / "recipes" / "gpu-dense-8b.toml"
-    rc = plan_main(_plan_args(dense, "trainer.backend='megatron'", "trainer.tensor_parallel=2",
+    rc = _plan(_plan_args(dense, "trainer.backend='megatron'", "trainer.tensor_parallel=2",
                               "trainer.pipeline_parallel=2"))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
@@ -76,7 +81,7 @@ def test_gpu_recipes_fail_as_they_used_to_on_megatron(
                                                "'megatron' trainer backend supports")
     assert "tensor_parallel<=64" in err[0]
     moe = REPO / "recipes" / "gpu-moe-30b-a3b.toml"
-    rc = plan_main(_plan_args(moe, "trainer.backend='megatron'", "trainer.expert_parallel=8"))
+    rc = _plan(_plan_args(moe, "trainer.backend='megatron'", "trainer.expert_parallel=8"))
     err = capsys.readouterr().err
     assert rc == 2
     assert "trainer.expert_parallel=8: the 'megatron' trainer backend" in err

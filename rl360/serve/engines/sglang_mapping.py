@@ -1,6 +1,6 @@
 """The SGLang backend's plain parts (no sglang import at module level): its options, the
 weight-update messages, and the mapping of requests and answers between RL360 and SGLang's
-native API. rl360.serve.engines.sglang_backend uses them; tests/test_sglang_mapping.py checks
+native API. rl360.serve.engines.sglang_backend uses them; tests/serve/engines/test_sglang_mapping.py checks
 them on CPU.
 """
 
