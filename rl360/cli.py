@@ -62,6 +62,15 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                         "service=1x8,train=8x8:96,rollout=24x8:96 (ROLE 'any' = untagged)")
     p.add_argument("--address", default="", help="plan on the live Ray cluster at this address")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--estimate", action="store_true",
+                   help="also predict generation, training, weight-sync and step time, the "
+                        "bottleneck and the GPU split that balances it")
+    p.add_argument("--metrics", default="", metavar="METRICS_JSONL",
+                   help="refine the estimate's figures from a run's metrics.jsonl (implies "
+                        "--estimate)")
+    p.add_argument("--throughput", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one estimate figure, e.g. engine_tokens_per_s=5000 "
+                        "(repeatable; keys in rl360/launch/throughput.py)")
 
 
 def _preflight_args(p: argparse.ArgumentParser) -> None:
@@ -109,6 +118,14 @@ def _slurm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth", choices=["token", "disabled"], default="token",
                    help="Ray token auth on the cluster (token: ~/.ray/auth_token, shared home)")
     p.add_argument("--submit", action="store_true", help="run sbatch on the written script")
+    p.add_argument("--container-image", default="", metavar="IMAGE",
+                   help="run every node's commands in this image (docker/Dockerfile), e.g. "
+                        "rl360:gpu or a .sqsh/.sif file")
+    p.add_argument("--container-runtime", choices=["pyxis", "apptainer"], default="pyxis",
+                   help="how: Pyxis (srun --container-image) or Apptainer (apptainer exec "
+                        "--nv); default: %(default)s")
+    p.add_argument("--container-mounts", default="", metavar="SRC[:DST],...",
+                   help="extra binds besides the working directory, e.g. /models,/shared")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ class ModelSection(_S):
     chat_template: str = "auto"  # "auto" | "chatml_tools" | path to a .jinja file
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: Annotated[int, Meta(ge=16)] = 2048
+    # the HF model_type (llama, qwen2, qwen3, qwen3_moe, ...): "auto" reads path/config.json.
+    # Set it when the model is not on this machine, so `rl360 plan` checks the backends' support
+    family: str = "auto"
 
 
 class EngineSection(_S):
@@ -160,8 +163,9 @@ class LossSection(_S):
 
 
 class TrainerSection(_S):
-    backend: Literal["torch", "megatron"] = "torch"
-    workers: PosInt = 1  # data-parallel trainer ranks (torch backend)
+    # torch: replicated data parallel; fsdp: FSDP2-sharded data parallel; megatron: TP x DP
+    backend: Literal["torch", "fsdp", "megatron"] = "torch"
+    workers: PosInt = 1  # trainer ranks (data parallel; megatron: TP x DP)
     num_cpus: NonNegFloat = 1.0
     num_gpus: NonNegFloat = 0.0
     lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-5

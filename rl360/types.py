@@ -194,3 +194,32 @@ class Batch(msgspec.Struct, omit_defaults=True):
     samples: list[TrainSample]
     step: int = 0
     policy_version: int = 0
+
+
+# ----------------------------------------------------------------------------- backend support
+
+
+class BackendSupport(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine or trainer backend can run, as plain data: `rl360 plan` and
+    `rl360 preflight` check a recipe against it before anything starts, and the backend refuses
+    the same things at start-up. Parallel sizes are maxima (1: not supported); an empty
+    `families` means any HF causal-LM `model_type` that transformers (or the engine) loads."""
+
+    backend: str
+    devices: tuple[str, ...]  # "cpu", "cuda"
+    dtypes: tuple[str, ...]
+    families: tuple[str, ...] = ()  # HF model_type values; () = any
+    moe: bool = True  # mixture-of-experts families (MOE_FAMILIES) allowed
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    remote_option: str = ""  # an engine.options key that points at a server elsewhere
+    notes: str = ""
+
+
+# HF model_type values of mixture-of-experts models (for BackendSupport.moe)
+MOE_FAMILIES = frozenset({
+    "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "olmoe", "granitemoe",
+    "gpt_oss", "llama4", "jamba", "phimoe", "dbrx", "glm4_moe",
+})

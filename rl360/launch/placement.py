@@ -222,8 +222,7 @@ def _check_parallelism(recipe: Recipe) -> list[str]:
                 f"trainer.expert_parallel ({t.expert_parallel}) must divide data x context "
                 f"parallel ({dp_cp} = workers / (tensor_parallel x pipeline_parallel))"
             )
-    elif max(t.tensor_parallel, t.pipeline_parallel, t.context_parallel, t.expert_parallel) > 1:
-        warnings.append(f"trainer.backend={t.backend!r} ignores tensor/pipeline/context/expert parallel")
+    # other backends' parallel sizes: refused by rl360.launch.support (their declarations)
     if e.num_gpus > 0 and e.num_gpus < e.tensor_parallel:
         raise PlacementError(
             f"engine.num_gpus ({e.num_gpus:g}) must be at least engine.tensor_parallel "

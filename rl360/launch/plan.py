@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from rl360.launch.estimate import estimate, render_estimate
 from rl360.launch.placement import (
     ROLE_CAPACITY,
     ROLES,
@@ -30,6 +31,8 @@ from rl360.launch.placement import (
     plural,
     role_resource,
 )
+from rl360.launch.support import support_problems
+from rl360.launch.throughput import EstimateError, figures_for
 from rl360.recipe import ClusterRole, Recipe
 
 # ---------------------------------------------------------------------------- node lists
@@ -203,6 +206,8 @@ def describe_recipe(recipe: Recipe, path: str) -> list[str]:
         dp = t.workers // mp if t.workers % mp == 0 else "?"
         layout = (f", TP {t.tensor_parallel} x PP {t.pipeline_parallel} x CP "
                   f"{t.context_parallel} x DP {dp}, EP {t.expert_parallel}")
+    elif t.backend == "fsdp":
+        layout = f", FSDP2-sharded data parallel {t.workers}"
     else:
         layout = f", data parallel {t.workers}"
     lines.append(f"trainer   {t.backend}: {plural(t.workers, 'rank')} x "
@@ -308,13 +313,30 @@ def render(plan: Plan, recipe: Recipe, path: str) -> str:
 
 
 def plan_command(recipe: Recipe, args: argparse.Namespace) -> int:
+    problems = support_problems(recipe)
+    for p in problems:
+        print(f"rl360 plan: {p}", file=sys.stderr)
+    if problems:
+        return 2
     try:
         nodes, source = resolve_nodes(recipe, args.nodes, args.address)
         plan = plan_placement(recipe, nodes, source)
     except PlacementError as exc:
         print(f"rl360 plan: {exc}", file=sys.stderr)
         return 2
-    text = msgspec.json.encode(plan).decode() if args.json else render(plan, recipe, args.recipe)
+    est = None
+    if getattr(args, "estimate", False) or getattr(args, "metrics", ""):
+        try:
+            est = estimate(recipe, figures_for(recipe, args.metrics, args.throughput))
+        except EstimateError as exc:
+            print(f"rl360 plan: {exc}", file=sys.stderr)
+            return 2
+    if args.json:
+        text = msgspec.json.encode({"plan": plan, "estimate": est} if est else plan).decode()
+    else:
+        text = render(plan, recipe, args.recipe)
+        if est is not None:
+            text += "\n\n" + "\n".join(render_estimate(est, recipe))
     try:
         print(text, flush=True)
     except BrokenPipeError:  # `rl360 plan ... | head`

@@ -104,6 +104,19 @@ def check_backends(recipe: Recipe) -> list[Check]:
     return out
 
 
+def check_support(recipe: Recipe) -> list[Check]:
+    """The recipe against its backends' own declarations (layouts, families, dtypes, devices)."""
+    from rl360.launch.support import model_family, support_problems, support_summary
+
+    problems = support_problems(recipe)
+    if problems:
+        return [_fail("support", p) for p in problems]
+    family = None
+    with contextlib.suppress(ValueError):
+        family, _ = model_family(recipe)
+    return [Check("support", "ok" if family else "warn", support_summary(recipe))]
+
+
 def check_sandbox() -> Check:
     try:
         from rl360.envs.sandbox.bwrap import bwrap_unavailable
@@ -224,6 +237,7 @@ def run_preflight(recipe: Recipe, live: bool, address: str = "",
         else _fail("python", f"python {sys.version.split()[0]}: rl360 needs 3.11 or newer"),
         check_ray(),
         *check_backends(recipe),
+        *check_support(recipe),
     ]
     address = address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "") or "auto"
     checks.append(check_placement(recipe, live, address))

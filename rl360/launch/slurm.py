@@ -6,6 +6,11 @@ started with its role resource (placement.node_resources) so the planner's actor
 
     rl360 slurm recipe.toml --nodes node[01-33] --dry-run   # the exact commands, for these hosts
     rl360 slurm recipe.toml [--submit]                       # write (and sbatch) the script
+    rl360 slurm recipe.toml --container-image rl360:gpu      # every node's commands in the image
+
+With `--container-image` (docker/Dockerfile's image) every command runs inside it: through
+Pyxis (`srun --container-image`, the default) or Apptainer (`apptainer exec --nv`), with the
+working directory (and `--container-mounts`) bound at the same path.
     python -m rl360.launch.slurm wait --address node01:6379 --nodes 33 --timeout 600
 """
 
@@ -40,6 +45,45 @@ class SlurmOptions(msgspec.Struct, kw_only=True):
     auth: str = "token"  # "token" | "disabled"
     setup: str = ""  # a shell line run first (e.g. activate a venv)
     workdir: str = ""  # where the job runs (default: the current directory)
+    container_image: str = ""  # run every node's commands in this image ("" = on the host)
+    container_runtime: str = "pyxis"  # "pyxis" (srun --container-image) | "apptainer"
+    container_mounts: str = ""  # extra SRC[:DST] binds, comma-separated (models, shared storage)
+
+
+CONTAINER_RUNTIMES = ("pyxis", "apptainer")
+
+
+def _binds(opts: SlurmOptions) -> str:
+    work = opts.workdir or os.getcwd()
+    extra = [m.strip() for m in opts.container_mounts.split(",") if m.strip()]
+    return ",".join([f"{work}:{work}", *(m if ":" in m else f"{m}:{m}" for m in extra)])
+
+
+def container_flags(opts: SlurmOptions) -> str:
+    """srun flags (Pyxis) for a step inside the image; "" without an image or with Apptainer."""
+    if not opts.container_image or opts.container_runtime != "pyxis":
+        return ""
+    work = opts.workdir or os.getcwd()
+    return (f" --container-image={shlex.quote(opts.container_image)}"
+            f" --container-mounts={shlex.quote(_binds(opts))}"
+            f" --container-workdir={shlex.quote(work)}")
+
+
+def container_exec(opts: SlurmOptions) -> str:
+    """The prefix that runs a command inside the image with Apptainer ("" otherwise)."""
+    if not opts.container_image or opts.container_runtime != "apptainer":
+        return ""
+    work = opts.workdir or os.getcwd()
+    return (f"apptainer exec --nv --bind {shlex.quote(_binds(opts))} --pwd {shlex.quote(work)} "
+            f"{shlex.quote(opts.container_image)} ")
+
+
+def on_head(opts: SlurmOptions, head: str = "") -> str:
+    """The prefix for a command of the batch step itself (waits, `rl360 train`)."""
+    if opts.container_image and opts.container_runtime == "pyxis":
+        where = f" -w {head}" if head else ""
+        return f"srun --overlap --nodes=1 --ntasks=1{where}{container_flags(opts)} "
+    return container_exec(opts)
 
 
 # ---------------------------------------------------------------------------- hostlists
@@ -121,10 +165,13 @@ def assign_roles(recipe: Recipe, hosts: list[str]) -> list[tuple[str, str]]:
     return list(zip(hosts, roles, strict=True))
 
 
-def _srun(host: str, cpus: int, gpus: int) -> str:
+def _srun(host: str, cpus: int, gpus: int, opts: SlurmOptions | None = None) -> str:
     # --overlap: the batch step (this script, on the head) keeps its share of the node
     res = (f" --cpus-per-task={cpus}" if cpus else "") + (f" --gpus-per-task={gpus}" if gpus else "")
-    return f"srun --overlap --nodes=1 --ntasks=1{res} -w {host}"
+    if opts is None:
+        return f"srun --overlap --nodes=1 --ntasks=1{res} -w {host}"
+    return (f"srun --overlap --nodes=1 --ntasks=1{res} -w {host}{container_flags(opts)}"
+            + (" " + container_exec(opts).rstrip() if container_exec(opts) else ""))
 
 
 def _ray_start(role: str, cpus: int, gpus: int) -> str:
@@ -147,7 +194,12 @@ def node_commands(recipe: Recipe, recipe_path: str, overrides: list[str], hosts:
     placed = assign_roles(recipe, hosts)
     head = placed[0][0]
     address = f"{head}:{opts.ray_port}"
-    wait = f"python -m rl360.launch.slurm wait --address {address} --timeout {opts.join_timeout_s:g}"
+    if opts.container_image and opts.container_runtime not in CONTAINER_RUNTIMES:
+        raise SlurmError(f"--container-runtime {opts.container_runtime!r}: use one of "
+                         f"{', '.join(CONTAINER_RUNTIMES)}")
+    run = on_head(opts, head)
+    wait = (f"{run}python -m rl360.launch.slurm wait --address {address} "
+            f"--timeout {opts.join_timeout_s:g}")
     lines = [
         "#!/bin/bash",
         f"# rl360 slurm: {len(hosts)} nodes for {recipe_path}",
@@ -164,24 +216,27 @@ def node_commands(recipe: Recipe, recipe_path: str, overrides: list[str], hosts:
     if opts.setup:
         lines.append(opts.setup)
     lines.append(f"export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE={opts.auth}")
+    if opts.container_image:
+        lines.append(f"# every command below runs in {opts.container_image} ({opts.container_runtime})")
     if opts.auth == "token":
-        lines.append("ray get-auth-token --generate > /dev/null  # ~/.ray/auth_token, shared home")
+        lines.append(f"{run}ray get-auth-token --generate > /dev/null  # ~/.ray/auth_token, "
+                     "shared home")
     for i, (host, role) in enumerate(placed):
         spec = getattr(recipe.cluster, role)
         cpus, gpus = spec.cpus_per_node, spec.gpus_per_node
         if i == 0:
             lines.append(
-                f"{_srun(host, cpus, gpus)} ray start --head --block --port={opts.ray_port} "
+                f"{_srun(host, cpus, gpus, opts)} ray start --head --block --port={opts.ray_port} "
                 f"--dashboard-host=0.0.0.0 --dashboard-port={opts.dashboard_port}"
                 f"{_ray_start(role, cpus, gpus)} &"
             )
             lines.append(f"{wait} --nodes 1")
         else:
-            lines.append(f"{_srun(host, cpus, gpus)} ray start --block --address={address}"
+            lines.append(f"{_srun(host, cpus, gpus, opts)} ray start --block --address={address}"
                          f"{_ray_start(role, cpus, gpus)} &")
     lines.append(f"{wait} --nodes {len(placed)}")
     lines.append(f"echo \"rl360: Ray dashboard http://{head}:{opts.dashboard_port}\"")
-    lines.append(f"RAY_ADDRESS={address} python -m rl360 train {shlex.quote(recipe_path)}"
+    lines.append(f"RAY_ADDRESS={address} {run}python -m rl360 train {shlex.quote(recipe_path)}"
                  f"{''.join(' --set ' + shlex.quote(o) for o in overrides)}")
     return "\n".join(lines) + "\n"
 
@@ -199,6 +254,11 @@ def render_sbatch(recipe: Recipe, recipe_path: str, overrides: list[str], opts: 
                f" --join-timeout {opts.join_timeout_s:g} --auth {opts.auth}")
     if opts.setup:
         options += f" --setup {shlex.quote(opts.setup)}"
+    if opts.container_image:
+        options += (f" --container-image {shlex.quote(opts.container_image)}"
+                    f" --container-runtime {opts.container_runtime}")
+        if opts.container_mounts:
+            options += f" --container-mounts {shlex.quote(opts.container_mounts)}"
     values = {
         "recipe": shlex.quote(recipe_path),
         "job_name": f"rl360-{recipe.run.name}",
@@ -210,6 +270,7 @@ def render_sbatch(recipe: Recipe, recipe_path: str, overrides: list[str], opts: 
         "setup": opts.setup,
         "overrides": "".join(" --set " + shlex.quote(o) for o in overrides),
         "options": options,
+        "launch": on_head(opts),  # the batch step's own rl360 call, in the image when asked
     }
     text = TEMPLATE.read_text()
     for key, value in values.items():
@@ -251,9 +312,14 @@ def wait_for_nodes(address: str, count: int, timeout_s: float, poll_s: float = 2
 
 
 def _options(args: argparse.Namespace) -> SlurmOptions:
+    image = getattr(args, "container_image", "")
     return SlurmOptions(ray_port=args.ray_port, dashboard_port=args.dashboard_port,
                         join_timeout_s=args.join_timeout, auth=args.auth,
-                        setup=args.setup or default_setup(), workdir=os.getcwd())
+                        # in an image, the host's virtualenv means nothing
+                        setup=args.setup or ("" if image else default_setup()),
+                        workdir=os.getcwd(), container_image=image,
+                        container_runtime=getattr(args, "container_runtime", "pyxis"),
+                        container_mounts=getattr(args, "container_mounts", ""))
 
 
 def slurm_command(recipe: Recipe, args: argparse.Namespace) -> int:

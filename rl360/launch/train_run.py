@@ -29,6 +29,7 @@ from rl360.actors.controller import ControllerFailed, RolloutController
 from rl360.actors.metrics import MetricsSink
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.stack import Stack, running_stack
+from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
@@ -83,6 +84,10 @@ def train_command(recipe: Recipe, args: argparse.Namespace) -> int:
 
 
 def run_train(recipe: Recipe, resume: bool = False) -> int:
+    if problems := support_problems(recipe):
+        for p in problems:
+            print(f"rl360 train: {p}", file=sys.stderr)
+        return 2
     try:
         run = TrainRun(recipe, resume)
         run.warm_start()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run, for a lent GPU machine (one H200, 16 cores, no internet), under
-# 8 minutes. Everything is built from configs: no model or data downloads.
+# 11 minutes. Everything is built from configs: no model or data downloads.
 #
 #   bash tests/gpu/run.sh                # from the repository root (a copy of the working tree)
 #
@@ -11,6 +11,8 @@
 #   megatron-step  one `rl360 train` step with --set trainer.backend=megatron on the GPU
 #   sglang-bench   tokens/s through the session server vs SGLang's own API ({"bench": ...})
 #   vllm-bench     the same for vLLM
+#   fsdp-train     3 steps of `rl360 train` on one GPU: SGLang engine, FSDP trainer, NCCL (CUDA
+#                  IPC, colocated) weight sync, the Qwen2-0.5B-shaped model (phase C)
 # Setup: two venvs (--system-site-packages, so what the machine already has is used): one with
 # sglang + megatron-core, one with vllm (they pin different torch builds). pip honours
 # PIP_INDEX_URL / PIP_FIND_LINKS for a local mirror or wheelhouse; without one the installs
@@ -49,6 +51,13 @@ deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(" ".join(d for d in deps if not d.startswith("torch")), "httpx>=0.27")
 EOF
 )"
+pins() {  # the exact pins of pyproject extras (the one place GPU versions live)
+  "$PY" -c 'import sys, tomllib
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+print(" ".join(x for e in sys.argv[1:] for x in extras[e]))' "$@"
+}
+SGLANG_PINS="$(pins sglang megatron)"
+VLLM_PINS="$(pins vllm)"
 
 make_venv() {  # name, packages...
   local name="$1"; shift
@@ -58,9 +67,11 @@ make_venv() {  # name, packages...
   timeout "$T_INSTALL" "$venv/bin/pip" install --disable-pip-version-check -q \
     "$@" $DEPS >>"$LOGS/install-$name.log" 2>&1
 }
-note "installing: sglang + megatron-core venv, vllm venv (in parallel, ${T_INSTALL}s each)"
-make_venv sglang "sglang>=0.5" "megatron-core>=0.16" & P1=$!
-make_venv vllm "vllm>=0.10" & P2=$!
+note "installing: $SGLANG_PINS venv, $VLLM_PINS venv (in parallel, ${T_INSTALL}s each)"
+# shellcheck disable=SC2086
+make_venv sglang $SGLANG_PINS & P1=$!
+# shellcheck disable=SC2086
+make_venv vllm $VLLM_PINS & P2=$!
 wait $P1; RC1=$?; wait $P2; RC2=$?
 for pair in "sglang:$RC1" "vllm:$RC2"; do
   n="${pair%%:*}"; rc="${pair##*:}"
@@ -147,9 +158,30 @@ run_part sglang-bench "$T_PHASE" "$SPY" sglang,ray tests/gpu/gpu_check.py bench 
 wait "${PIDS[@]}"
 for p in vllm-parity sglang-bench; do part_status "$p"; done
 
+# the real loop on one GPU: engine and trainer share it (half each), weights by CUDA IPC
+TRAIN_SETS=(--set "run.name=gpu-train" --set "run.out_dir=\"$WORK/runs\"" --set "model.path='$MODEL'"
+  --set "model.family='qwen2'" --set "model.dtype='bfloat16'" --set "train.init=''"
+  --set "ray.dashboard=false" --set "env.actors=1" --set "env.episodes_per_actor=16"
+  --set "engine.backend='sglang'" --set "engine.num_gpus=0.5" --set "engine.num_cpus=2"
+  --set "engine.options={mem_fraction_static=0.35}"
+  --set "trainer.backend='fsdp'" --set "trainer.num_gpus=0.5" --set "trainer.num_cpus=2"
+  --set "trainer.dtype='bfloat16'" --set "trainer.micro_batch_size=4"
+  --set "train.weight_sync={transport='collective', backend='nccl'}"
+  --set "train.steps=3" --set "train.group_size=2" --set "train.groups_per_batch=4"
+  --set "train.task_limit=4" --set "train.tasks=['examples/tasks/code.jsonl']"
+  --set "train.sampling.max_tokens=32" --set "train.checkpoint_every=0"
+  --set "train.wandb='disabled'")
+note "phase C (${T_PHASE}s): fsdp-train"
+PIDS=()
+RAY_ADDRESS=local run_part fsdp-train "$T_PHASE" "$SPY" sglang,ray -m rl360 train recipes/cpu-demo.toml \
+  "${TRAIN_SETS[@]}"
+wait "${PIDS[@]}"
+part_status fsdp-train
+grep -E "^step " "$LOGS/fsdp-train.log" 2>/dev/null | tee -a "$LOGS/run.log"
+
 # ---------------------------------------------------------------- summary
 note "summary (total $(( $(date +%s) - START ))s):"
-for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench; do
+for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench fsdp-train; do
   printf '  %-14s %s\n' "$p" "${STATUS[$p]:-NOT RUN}" | tee -a "$LOGS/run.log"
 done
 for p in sglang-bench vllm-bench; do  # their last line is the bench JSON
@@ -159,7 +191,7 @@ done
 {
   echo "{"
   first=1
-  for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench; do
+  for p in sglang-parity vllm-parity nccl megatron-step sglang-bench vllm-bench fsdp-train; do
     [ $first -eq 1 ] || echo ","
     first=0
     printf '  "%s": "%s"' "$p" "${STATUS[$p]:-NOT RUN}"

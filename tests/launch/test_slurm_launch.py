@@ -128,3 +128,35 @@ def test_slurm_writes_the_script(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "rl360", "slurm", DENSE, "--out", str(out)],
                          cwd=REPO, capture_output=True, text=True, check=True)
     assert f"wrote {out}" in res.stdout and out.read_text().startswith("#!/bin/bash")
+
+
+def test_container_image_runs_every_command_inside_it() -> None:
+    recipe = load_recipe(REPO / DENSE)
+    hosts = expand_hostlist("node[01-33]")
+    pyxis = SlurmOptions(workdir="/home/me/rl360", container_image="rl360:gpu",
+                         container_mounts="/models,/shared:/mnt/shared")
+    cmds = node_commands(recipe, DENSE, [], hosts, pyxis).splitlines()
+    flags = ("--container-image=rl360:gpu --container-mounts=/home/me/rl360:/home/me/rl360,"
+             "/models:/models,/shared:/mnt/shared --container-workdir=/home/me/rl360")
+    starts = [c for c in cmds if " ray start " in c]
+    assert len(starts) == 33 and all(f"{flags} ray start" in c for c in starts)
+    head = f"srun --overlap --nodes=1 --ntasks=1 -w node01 {flags} "
+    assert f"{head}python -m rl360.launch.slurm wait --address node01:6379 --timeout 600 " \
+           "--nodes 33" in cmds
+    assert cmds[-1] == f"RAY_ADDRESS=node01:6379 {head}python -m rl360 train {DENSE}"
+    assert any(c.startswith(f"{head}ray get-auth-token") for c in cmds)
+    appt = SlurmOptions(workdir="/w", container_image="/img/rl360.sif",
+                        container_runtime="apptainer")
+    cmds = node_commands(recipe, DENSE, [], hosts, appt).splitlines()
+    run = "apptainer exec --nv --bind /w:/w --pwd /w /img/rl360.sif "
+    assert all(f"-w node{i:02d} {run}ray start" in c
+               for i, c in enumerate((c for c in cmds if " ray start " in c), start=1))
+    assert cmds[-1] == f"RAY_ADDRESS=node01:6379 {run}python -m rl360 train {DENSE}"
+    # the sbatch script asks for the commands from inside the image too
+    text = render_sbatch(recipe, DENSE, [], pyxis)
+    assert "--container-image=rl360:gpu" in text and "--container-image rl360:gpu " \
+           "--container-runtime pyxis --container-mounts /models,/shared:/mnt/shared" in text
+    assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+    with pytest.raises(SlurmError, match="--container-runtime 'docker'"):
+        node_commands(recipe, DENSE, [], hosts, SlurmOptions(container_image="x",
+                                                             container_runtime="docker"))

@@ -1,4 +1,4 @@
-"""Fixtures for the megatron-core trainer tier (`make test-megatron`): tiny Llama and Qwen2
+"""Fixtures for the megatron-core trainer tier (`make test-megatron`): tiny Llama, Qwen2 and Qwen3
 HF directories built from configs, and random training samples. Tests that need megatron-core
 skip with a reason when it is not importable (the default venv)."""
 
@@ -18,13 +18,16 @@ MEGATRON_MISSING = ("megatron-core is not importable in this venv: `make test-me
 
 
 def hf_config(family: str, *, tied: bool, vocab: int = 320) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=tied, rms_norm_eps=1e-6, pad_token_id=0)
     if family == "llama":
         return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    if family == "qwen3":  # QK-norm, no qkv bias, a head_dim of its own (not 64 / 4)
+        return Qwen3Config(**common, head_dim=24,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight conversion (Llama and Qwen2 families).
+"""HF <-> megatron-core weight conversion (Llama, Qwen2 and Qwen3 families).
 
 The pure round trips and the layout checks need only torch; the ones through a real GPTModel
 (HF logits == megatron logits, and state read back from megatron) need megatron-core."""
@@ -12,7 +12,8 @@ from rl360.policies.megatron.convert import hf_to_mcore, mcore_to_hf, shape_from
 from rl360.recipe import TrainerSection
 from tests.megatron.conftest import MEGATRON_MISSING, hf_config, hf_model
 
-CASES = [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False)]
+CASES = [("llama", True), ("llama", False), ("qwen2", True), ("qwen2", False),
+         ("qwen3", True), ("qwen3", False)]
 
 
 @pytest.mark.parametrize(("family", "tied"), CASES)
@@ -53,6 +54,24 @@ def test_qkv_is_grouped_by_kv_head_and_fc1_is_gate_then_up() -> None:
     assert "output_layer.weight" in mc
     assert "output_layer.weight" not in hf_to_mcore(hf_model("llama", tied=True).state_dict(),
                                                     shape_from_hf(hf_config("llama", tied=True)))
+
+
+def test_qwen3_qk_norm_maps_to_q_and_k_layernorm() -> None:
+    model = hf_model("qwen3", tied=False)
+    s = shape_from_hf(model.config)
+    assert s.qk_norm and not s.qkv_bias and s.head_dim == 24
+    hf = model.state_dict()
+    mc = hf_to_mcore(hf, s)
+    a, m = "model.layers.1.self_attn.", "decoder.layers.1.self_attention."
+    assert torch.equal(mc[m + "q_layernorm.weight"], hf[a + "q_norm.weight"])
+    assert torch.equal(mc[m + "k_layernorm.weight"], hf[a + "k_norm.weight"])
+    assert mc[m + "q_layernorm.weight"].shape == (24,)
+    assert mc[m + "linear_qkv.weight"].shape == ((s.num_heads + 2 * s.num_kv_heads) * 24, 64)
+    assert not any(k.endswith("linear_qkv.bias") for k in mc)
+    from rl360.policies.megatron.convert import shard_tp, tp_split_dim
+
+    assert tp_split_dim(m + "q_layernorm.weight") is None  # replicated over TP ranks
+    assert torch.equal(shard_tp(mc, 2, 1)[m + "k_layernorm.weight"], hf[a + "k_norm.weight"])
 
 
 def test_unsupported_configs_are_refused_by_name() -> None:

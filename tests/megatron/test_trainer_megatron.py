@@ -125,7 +125,8 @@ def test_sync_weights_checkpoint_and_resume(tiny_dir: Path, tmp_path: Path) -> N
 
 def test_model_parallel_and_bad_backend_are_refused_by_name(tiny_dir: Path) -> None:
     cfg = TrainerSection(backend="megatron")
-    with pytest.raises(NotImplementedError, match="pipeline/context/expert parallelism"):
+    with pytest.raises(NotImplementedError,
+                       match=r"trainer\.pipeline_parallel=2: the megatron backend supports at most 1"):
         build_trainer(msgspec.structs.replace(cfg, pipeline_parallel=2), tiny_dir)
     with pytest.raises(ValueError, match="not a multiple of the model-parallel size 2"):
         build_trainer(msgspec.structs.replace(cfg, tensor_parallel=2), tiny_dir)  # one process

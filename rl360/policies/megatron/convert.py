@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight conversion for Llama- and Qwen2-family causal LMs.
+"""HF <-> megatron-core weight conversion for Llama-, Qwen2- and Qwen3-family (dense) causal LMs.
 
 Megatron's GPT layer (local spec) differs from HF's Llama/Qwen2 layer in three ways:
 - q, k and v are one `linear_qkv` whose output rows are grouped by KV head: for each of the
@@ -9,6 +9,10 @@ Megatron's GPT layer (local spec) differs from HF's Llama/Qwen2 layer in three w
 - names: embedding.word_embeddings, decoder.layers.N.{input_layernorm, self_attention.linear_qkv,
   self_attention.linear_proj, pre_mlp_layernorm, mlp.linear_fc1, mlp.linear_fc2},
   decoder.final_layernorm, output_layer (absent when the embeddings are tied).
+- Qwen3's QK-norm (an RMSNorm over head_dim applied to each query and key head before RoPE,
+  `self_attn.q_norm` / `k_norm`) is megatron's `self_attention.q_layernorm` / `k_layernorm`
+  (qk_layernorm=True), copied as is and replicated over tensor-parallel ranks. Qwen3 has no
+  q/k/v biases and its head_dim is its own (not hidden_size / heads).
 
 Both directions only reshape and concatenate/split, so a round trip is bit-exact. Nothing here
 imports megatron-core.
@@ -22,7 +26,10 @@ import msgspec
 import torch
 from torch import Tensor
 
-SUPPORTED = ("llama", "qwen2")
+from rl360.policies.support import TRAINER_SUPPORT
+
+# the megatron trainer backend's declared families (what `rl360 plan` checks recipes against)
+SUPPORTED = TRAINER_SUPPORT["megatron"].families
 
 
 class GPTShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -41,6 +48,7 @@ class GPTShape(msgspec.Struct, frozen=True, kw_only=True):
     max_positions: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm on each query / key head (q_layernorm, k_layernorm)
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -67,8 +75,11 @@ def shape_from_hf(cfg: Any) -> GPTShape:
     if family == "llama" and getattr(cfg, "attention_bias", False):
         raise ValueError("megatron conversion: llama attention_bias=True (o_proj bias) is not "
                          "supported")
-    if family == "qwen2" and getattr(cfg, "use_sliding_window", False):
-        raise ValueError("megatron conversion: qwen2 use_sliding_window=True is not supported")
+    if family in ("qwen2", "qwen3") and getattr(cfg, "use_sliding_window", False):
+        raise ValueError(f"megatron conversion: {family} use_sliding_window=True is not "
+                         "supported")
+    if family == "qwen3" and getattr(cfg, "attention_bias", False):
+        raise ValueError("megatron conversion: qwen3 attention_bias=True is not supported")
     heads = int(cfg.num_attention_heads)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     if heads % kv:
@@ -82,6 +93,7 @@ def shape_from_hf(cfg: Any) -> GPTShape:
         norm_eps=float(cfg.rms_norm_eps), rope_theta=_rope_theta(cfg),
         max_positions=int(cfg.max_position_embeddings),
         tied=bool(getattr(cfg, "tie_word_embeddings", False)), qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
     )
 
 
@@ -123,6 +135,9 @@ def hf_to_mcore(hf: dict[str, Tensor], s: GPTShape) -> dict[str, Tensor]:
             out[m + "self_attention.linear_qkv.bias"] = _fuse_qkv(
                 _need(hf, a + "q_proj.bias"), _need(hf, a + "k_proj.bias"),
                 _need(hf, a + "v_proj.bias"), s)
+        if s.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = _need(hf, a + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = _need(hf, a + "k_norm.weight")
         out[m + "self_attention.linear_proj.weight"] = _need(hf, a + "o_proj.weight")
         out[m + "pre_mlp_layernorm.weight"] = _need(hf, h + "post_attention_layernorm.weight")
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
@@ -147,6 +162,9 @@ def mcore_to_hf(mc: dict[str, Tensor], s: GPTShape) -> dict[str, Tensor]:
         if s.qkv_bias:
             q, k, v = _split_qkv(_need(mc, m + "self_attention.linear_qkv.bias"), s)
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
+        if s.qk_norm:
+            out[a + "q_norm.weight"] = _need(mc, m + "self_attention.q_layernorm.weight")
+            out[a + "k_norm.weight"] = _need(mc, m + "self_attention.k_layernorm.weight")
         out[a + "o_proj.weight"] = _need(mc, m + "self_attention.linear_proj.weight")
         out[h + "post_attention_layernorm.weight"] = _need(mc, m + "pre_mlp_layernorm.weight")
         gate, up = _need(mc, m + "mlp.linear_fc1.weight").chunk(2, dim=0)

@@ -1,4 +1,4 @@
-"""A megatron-core GPTModel built from an HF Llama/Qwen2 config, and its parallel state.
+"""A megatron-core GPTModel built from an HF Llama/Qwen2/Qwen3 config, and its parallel state.
 
 The model uses megatron's local layer spec (no Transformer Engine, no apex) with every fusion
 off, so the same code runs on CPU (through `cpu_shims`) and on GPUs. Weights come from the HF
@@ -99,7 +99,7 @@ def transformer_config(s: GPTShape, par: ParallelConfig) -> Any:
         num_attention_heads=s.num_heads, num_query_groups=s.num_kv_heads, kv_channels=s.head_dim,
         normalization="RMSNorm", layernorm_epsilon=s.norm_eps,
         gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=s.qkv_bias,
+        add_bias_linear=False, add_qkv_bias=s.qkv_bias, qk_layernorm=s.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=torch.float32, use_cpu_initialization=not on_gpu(),
         # the weights are overwritten from the HF checkpoint, but megatron's init also marks
@@ -127,7 +127,8 @@ def build_gpt(s: GPTShape, par: ParallelConfig) -> Any:
         if n % par.tensor:
             raise ValueError(f"{what} {n} not divisible by tensor_parallel {par.tensor}")
     model = GPTModel(
-        transformer_config(s, par), get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_config(s, par), get_gpt_layer_local_spec(normalization="RMSNorm",
+                                                             qk_layernorm=s.qk_norm),
         vocab_size=s.vocab_size, max_sequence_length=s.max_positions,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=s.tied, position_embedding_type="rope",

@@ -39,6 +39,7 @@ from rl360.policies.megatron.model import (
     on_gpu,
     read_hf_weights,
 )
+from rl360.policies.support import TRAINER_SUPPORT
 from rl360.policies.trainer_torch import (
     _NOT_COPIED,
     _WEIGHT_SUFFIXES,
@@ -59,11 +60,15 @@ class MegatronTrainer(TorchTrainer):
 
         self._init_common(config, model_path, temperature, seed)
         self.parallel = ParallelConfig.of(config)
-        if self.parallel.model_parallel != self.parallel.tensor:
-            raise NotImplementedError(
-                f"megatron backend: pipeline/context/expert parallelism ({self.parallel}) is not "
-                "implemented yet; use pipeline/context/expert_parallel = 1 (tensor_parallel "
-                "and data parallel work)")
+        support = TRAINER_SUPPORT["megatron"]  # what `rl360 plan` checked the recipe against
+        for key, size in (("tensor_parallel", self.parallel.tensor),
+                          ("pipeline_parallel", self.parallel.pipeline),
+                          ("context_parallel", self.parallel.context),
+                          ("expert_parallel", self.parallel.expert)):
+            if size > getattr(support, key):
+                raise NotImplementedError(
+                    f"trainer.{key}={size}: the megatron backend supports at most "
+                    f"{getattr(support, key)} ({support.notes})")
         init_parallel(self.parallel, seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
         hf_config = AutoConfig.from_pretrained(self.model_path)

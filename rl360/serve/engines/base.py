@@ -36,6 +36,9 @@ class EngineBackend(Protocol):
 
     async def close(self) -> None: ...
 
+    # optional: `async def probe(self) -> None`, a generation probe the replica's Serve health
+    # check awaits (raises when the engine cannot generate); see SGLangBackend.probe
+
 
 # name -> "module:Class"; imported lazily so only the chosen backend's deps are needed
 BACKENDS: dict[str, str] = {

@@ -5,6 +5,12 @@ While an update waits, new requests wait behind it (writer preference, so a stea
 requests cannot starve the trainer); the update starts once the requests already running have
 finished. So a sequence is generated under one version, which the gate names, and an engine
 never serves a half-applied update. `pause()` closes the gate to new requests without an update.
+
+`swapping()` is the other writer, for engines that pause their own scheduler (SGLang's
+retract / in_place / abort modes): it closes the gate to new requests but does NOT wait for
+the running ones, which the engine itself holds (or ends) while weights change. Such a
+request can then span two versions: the backend compares the version it started under with
+`version` when it ends.
 """
 
 from __future__ import annotations
@@ -62,6 +68,29 @@ class VersionGate:
             async with self._cond:
                 self._writing = False
                 self._cond.notify_all()
+
+    @asynccontextmanager
+    async def swapping(self) -> AsyncIterator[None]:
+        """Hold while weights change under the engine's own pause: blocks new generations,
+        lets running ones stay in flight (the engine pauses them)."""
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writing)
+            finally:
+                self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+    @property
+    def updating(self) -> bool:
+        """A weight update is running or waiting (drain or swap)."""
+        return self._writing or self._writers_waiting > 0
 
     async def set_paused(self, paused: bool) -> None:
         async with self._cond:

@@ -84,6 +84,9 @@ class EngineReplica:
         h = self.backend.health()
         if not h.get("ok", True):
             raise RuntimeError(f"engine unhealthy: {h.get('error')}")
+        probe = getattr(self.backend, "probe", None)  # optional: a generation probe (SGLang)
+        if probe is not None:
+            await probe()
 
 
 class ServeEngineClient:

@@ -14,11 +14,29 @@ engine contract (rl360.serve.engines.base.EngineBackend).
   join the stop token ids. SGLang also stops on the model's own EOS (ignore_eos would disable
   stop_token_ids too), so a request with no eos_token_ids still ends at the model's EOS.
 - Seeds: `seed` goes to SGLang's `sampling_seed` (options: seed_param; "" drops seeds).
-- Weights, always through SGLang's own paths and only between generations (VersionGate):
-  a name -> tensor dict (object-store transport) via `update_weights_from_tensor`; a CUDA-IPC
-  payload from a trainer on the same GPU (IpcUpdate) via the same call, pre-serialized; a
-  collective update (CollectiveUpdate: NCCL group from trainer rank 0) via
-  `init_weights_update_group` once and `update_weights_from_distributed` per bucket.
+- Weights, always through SGLang's own paths: a name -> tensor dict (object-store transport)
+  via `update_weights_from_tensor`; a CUDA-IPC payload from a trainer on the same GPU
+  (IpcUpdate) via the same call, pre-serialized; a collective update (CollectiveUpdate: NCCL
+  group from trainer rank 0) via `init_weights_update_group` once and
+  `update_weights_from_distributed` per bucket.
+- Around an update (options.pause_mode): "retract" (default) closes our gate to new requests,
+  has SGLang's scheduler pause and put the running requests back in its queue
+  (`pause_generation` mode=retract), applies the weights, flushes the prefix cache and
+  continues (`continue_generation`): in-flight requests are kept and their KV is recomputed
+  under the new weights. "in_place" keeps them paused with their KV cache (computed by the
+  old weights; the cache is not flushed, SGLang refuses to while requests run). "abort" ends
+  them (finish_reason "abort"). "drain" is SGLang-agnostic: wait until running requests
+  finish (VersionGate), so a sequence never spans two versions. With retract / in_place a
+  sequence may span versions: it is returned with `mixed_versions`, `policy_version` = the
+  version at its end and `token_versions` = the version it started under for every token
+  (SGLang's answer does not say which tokens came after the swap; the oldest version is
+  what staleness filtering needs).
+- Cancelled requests (an episode cancelled by the controller, a client gone) are aborted in
+  SGLang by request id (`abort_request`), so they stop holding batch slots and KV cache.
+- Health: `probe()` (called by the replica's Serve health check) runs SGLang's own generation
+  probe (`/health_generate`; a 1-token generation in engine mode) when no generation finished
+  in the last probe_idle_s seconds and no update or pause is under way.
+- Expert parallel: `ep_size` = engine.expert_parallel (inside the tensor-parallel group).
 
 HTTP mode: the replica still needs sglang importable for object-store updates (its serializer
 packs the CUDA-IPC handles), and the server must run on the GPU this replica sees; with a
@@ -31,12 +49,12 @@ keyword (e.g. mem_fraction_static, tp_size, chunked_prefill_size), passed as is.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import contextlib
 import logging
 import time
-from typing import Any, Literal
-
-import msgspec
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
 
 from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
@@ -44,144 +62,24 @@ from rl360.serve.engines import sglang_client as sc
 from rl360.serve.engines.base import BackendUnavailable
 from rl360.serve.engines.gate import VersionGate
 from rl360.serve.engines.sglang_client import check_result
+from rl360.serve.engines.sglang_mapping import (
+    CollectiveUpdate,
+    IpcUpdate,
+    SGLangOptions,
+    engine_kwargs,
+    serialize_named_tensors,
+    sglang_installed,
+    split_options,
+    to_generation,
+    to_sglang_sampling,
+)
 from rl360.serve.weights.plan import plan_buckets, tensor_checksum
 from rl360.types import Generation, SamplingParams
 
+__all__ = ["CollectiveUpdate", "IpcUpdate", "SGLangBackend", "SGLangOptions", "engine_kwargs",
+           "sglang_installed", "split_options", "to_generation", "to_sglang_sampling"]
+
 log = logging.getLogger("rl360.engine.sglang")
-
-_OWN_OPTIONS = {"mode", "url", "pause_mode", "seed_param", "launch_timeout_s", "checksum_prefix",
-                "bucket_mb"}
-
-
-class SGLangOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    mode: Literal["engine", "http"] = "engine"  # in-process Engine, or a server over HTTP
-    url: str = ""  # http mode: an SGLang server already running; "" launches one
-    # what SGLang's own scheduler does on pause(): "" only closes our gate to new requests
-    pause_mode: Literal["", "abort", "retract", "in_place"] = ""
-    seed_param: str = "sampling_seed"
-    launch_timeout_s: float = 600.0
-    checksum_prefix: int = 64  # elements per tensor compared by weight_checksums()
-    bucket_mb: float = 1024.0  # object-store updates go to the GPU in buckets this large
-
-
-class CollectiveUpdate(msgspec.Struct):
-    """A version arriving over the collective group: the engine receives `buckets` in order
-    (each one update_weights_from_distributed call, one broadcast per tensor)."""
-
-    group_name: str
-    buckets: list[list[tuple[str, list[int], str]]]
-    join: tuple[str, int, int, int, str] | None = None  # (host, port, rank_offset, world, backend)
-
-
-class IpcUpdate(msgspec.Struct):
-    """Weights on the engine's own GPU, shared by CUDA IPC: one ForkingPickler payload of
-    [(name, cuda tensor)] per tensor-parallel rank (the sender keeps the tensors alive)."""
-
-    serialized_per_rank: list[bytes]
-
-
-def sglang_installed() -> bool:
-
-    return importlib.util.find_spec("sglang") is not None
-
-
-def split_options(options: dict[str, Any]) -> tuple[SGLangOptions, dict[str, Any]]:
-    own = {k: v for k, v in options.items() if k in _OWN_OPTIONS}
-    return msgspec.convert(own, SGLangOptions), {
-        k: v for k, v in options.items() if k not in _OWN_OPTIONS}
-
-
-def engine_kwargs(engine: EngineSection, model: ModelSection, seed: int,
-                  model_path: str) -> dict[str, Any]:
-    """sglang.Engine / ServerArgs keywords for the recipe's sections (engine.options override
-    any of them)."""
-    _, extra = split_options(engine.options)
-    kwargs: dict[str, Any] = {
-        "model_path": model_path,
-        "dtype": model.dtype,
-        "context_length": model.max_model_len,
-        "max_running_requests": engine.max_batch_size,
-        "random_seed": seed,
-        "tp_size": engine.tensor_parallel,
-        "log_level": "error",
-    }
-    kwargs.update(extra)
-    return kwargs
-
-
-def to_sglang_sampling(sp: SamplingParams, seed_param: str = "sampling_seed",
-                       room: int | None = None) -> dict[str, Any]:
-    """SGLang sampling params. `room` (max_model_len - prompt length) caps max_new_tokens, so a
-    long prompt ends with finish_reason "length" as in the torch backend instead of an error.
-    Penalties are sent as neutral values: SGLang may otherwise take defaults from the model's
-    generation_config.json (e.g. a repetition penalty), which the torch backend never applies."""
-    if sp.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {sp.max_tokens}")
-    out: dict[str, Any] = {
-        "max_new_tokens": min(sp.max_tokens, room) if room is not None else sp.max_tokens,
-        "temperature": max(sp.temperature, 0.0),
-        "top_p": sp.top_p,
-        "top_k": sp.top_k if sp.top_k and sp.top_k > 0 else -1,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "frequency_penalty": 0.0,
-        "presence_penalty": 0.0,
-        "stop_token_ids": sorted(set(sp.stop_token_ids) | set(sp.eos_token_ids)),
-        "no_stop_trim": True,
-        "skip_special_tokens": False,
-    }
-    if sp.stop:
-        out["stop"] = list(sp.stop)
-    if sp.seed is not None and seed_param:
-        out[seed_param] = int(sp.seed)
-    return out
-
-
-def to_generation(ret: dict[str, Any], sp: SamplingParams, version: int) -> Generation:
-    """One SGLang /generate answer -> Generation (ids and logprobs from output_token_logprobs)."""
-    meta = ret.get("meta_info") or {}
-    entries = meta.get("output_token_logprobs")
-    if entries is None:
-        raise RuntimeError("sglang answer has no meta_info.output_token_logprobs "
-                           "(was return_logprob dropped?)")
-    ids = [int(e[1]) for e in entries]
-    logprobs = [e[0] for e in entries]
-    if any(lp is None for lp in logprobs):
-        raise RuntimeError(f"sglang returned no logprob for some generated tokens: {logprobs}")
-    out_ids = ret.get("output_ids")
-    if out_ids is not None and list(out_ids) != ids[: len(out_ids)]:
-        raise RuntimeError(f"sglang output_ids {list(out_ids)[:8]}... disagree with the ids of "
-                           f"output_token_logprobs {ids[:8]}...")
-    finish = meta.get("finish_reason") or {}
-    kind = finish.get("type") if isinstance(finish, dict) else str(finish)
-    matched = finish.get("matched") if isinstance(finish, dict) else None
-    reason, stop_kind, stop_string = "length", "", None
-    if kind == "stop":
-        reason = "stop"
-        if isinstance(matched, str):
-            stop_kind, stop_string = "stop_string", matched
-        elif isinstance(matched, int) and matched in sp.stop_token_ids:
-            stop_kind = "stop_token"
-        else:
-            stop_kind = "eos"
-    elif kind == "abort":
-        reason = "abort"
-    elif kind not in ("length", None):
-        raise RuntimeError(f"unknown sglang finish_reason {finish!r}")
-    return Generation(token_ids=ids, logprobs=[float(x) for x in logprobs],
-                      finish_reason=reason,  # type: ignore[arg-type]
-                      policy_version=version, token_versions=[version] * len(ids),
-                      stop_kind=stop_kind, stop_string=stop_string)
-
-
-def serialize_named_tensors(named: list[tuple[str, Any]], ranks: int, as_text: bool) -> list[Any]:
-    """What update_weights_from_tensor expects: one payload per tensor-parallel rank."""
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    if as_text:
-        return [MultiprocessingSerializer.serialize(named, output_str=True) for _ in range(ranks)]
-    return [MultiprocessingSerializer.serialize(named) for _ in range(ranks)]
-
 
 class SGLangBackend:
     def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0) -> None:
@@ -201,8 +99,11 @@ class SGLangBackend:
         self._gate = VersionGate(0)
         self._groups: set[str] = set()
         self._failure: BaseException | None = None
-        self._stats = {"requests": 0, "tokens": 0, "busy_s": 0.0, "updates": 0}
+        self._stats = {"requests": 0, "tokens": 0, "busy_s": 0.0, "updates": 0, "aborts": 0,
+                       "mixed": 0, "probes": 0}
         self._started = time.monotonic()
+        self._last_done = 0.0  # monotonic time the last generation finished
+        self._aborts: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ contract
 
@@ -219,21 +120,80 @@ class SGLangBackend:
         payload = to_sglang_sampling(sampling, self.options.seed_param,
                                      room=self.model_cfg.max_model_len - len(prompt_ids))
         client = await self._ensure_client()
+        rid = uuid.uuid4().hex
         async with self._gate.reading() as version:
             t0 = time.perf_counter()
-            ret = await client.generate(list(prompt_ids), payload)
-            self._stats["busy_s"] += time.perf_counter() - t0
+            try:
+                ret = await client.generate(list(prompt_ids), payload, rid)
+            except asyncio.CancelledError:
+                self._abort_soon(client, rid)
+                raise
+            finally:
+                self._stats["busy_s"] += time.perf_counter() - t0
+            end_version = self._gate.version
+        self._last_done = time.monotonic()
         gen = to_generation(ret, sampling, version)
+        if end_version != version:  # swapped under it (retract / in_place)
+            gen.mixed_versions = True
+            gen.policy_version = end_version
+            self._stats["mixed"] += 1
         self._stats["requests"] += 1
         self._stats["tokens"] += len(gen.token_ids)
         return gen
+
+    def _abort_soon(self, client: Any, rid: str) -> None:
+        """Abort request `rid` in SGLang, in a task of its own: the caller is being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._abort(client, rid),
+                                                      name=f"rl360-sglang-abort-{rid[:8]}")
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, client: Any, rid: str) -> None:
+        try:
+            await client.abort(rid)
+            self._stats["aborts"] += 1
+        except Exception as exc:  # the request may have finished meanwhile
+            log.warning("sglang abort_request %s failed: %r", rid, exc)
+
+    async def probe(self) -> None:
+        """A generation probe for the replica's health check (see the module docstring)."""
+        if self._client is None or self._gate.paused or self._gate.updating:
+            return
+        if time.monotonic() - self._last_done < self.options.probe_idle_s:
+            return
+        try:
+            await asyncio.wait_for(self._client.probe(), self.options.probe_timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"sglang generation probe: no answer in "
+                               f"{self.options.probe_timeout_s:g}s") from None
+        except Exception as exc:
+            raise RuntimeError(f"sglang generation probe failed: {exc!r}") from exc
+        self._last_done = time.monotonic()
+        self._stats["probes"] += 1
+
+    @contextlib.asynccontextmanager
+    async def _updating(self, client: Any) -> AsyncIterator[None]:
+        """Around a weight update: drain (wait for running requests) or SGLang's own pause."""
+        mode = self.options.pause_mode
+        if mode == "drain":
+            async with self._gate.writing():
+                yield
+            return
+        async with self._gate.swapping():
+            check_result(await client.pause(mode), f"pause_generation (mode={mode})")
+            try:
+                yield
+            finally:
+                check_result(await client.resume(), "continue_generation")
+
 
     async def update_weights(self, version: int, state: Any) -> bool:
 
         if hasattr(state, "__await__") and not isinstance(state, dict):
             state = await state  # a Ray ObjectRef
         client = await self._ensure_client()
-        async with self._gate.writing():
+        flush = self.options.pause_mode != "in_place"  # SGLang cannot flush paused requests
+        async with self._updating(client):
             newer = version > self._gate.version
             if not newer and not isinstance(state, CollectiveUpdate):
                 log.warning("ignoring weight update to version %d: this replica serves %d",
@@ -242,12 +202,12 @@ class SGLangBackend:
             t0 = time.perf_counter()
             if isinstance(state, CollectiveUpdate):
                 # the sender is broadcasting now: receive even a stale version, or it hangs
-                await self._receive_collective(client, state)
+                await self._receive_collective(client, state, flush)
             elif isinstance(state, IpcUpdate):
-                check_result(await client.update_from_tensor(state.serialized_per_rank, True),
+                check_result(await client.update_from_tensor(state.serialized_per_rank, flush),
                              "update_weights_from_tensor (CUDA IPC)")
             elif isinstance(state, dict):
-                await self._apply_dict(client, state)
+                await self._apply_dict(client, state, flush)
             else:
                 raise TypeError(f"sglang backend cannot apply weights of type {type(state)}")
             if not newer:
@@ -293,11 +253,11 @@ class SGLangBackend:
 
     async def pause(self) -> None:
         await self._gate.set_paused(True)
-        if self.options.pause_mode and self._client is not None:
+        if self.options.pause_mode != "drain" and self._client is not None:
             await self._client.pause(self.options.pause_mode)
 
     async def resume(self) -> None:
-        if self.options.pause_mode and self._client is not None:
+        if self.options.pause_mode != "drain" and self._client is not None:
             await self._client.resume()
         await self._gate.set_paused(False)
 
@@ -315,6 +275,8 @@ class SGLangBackend:
         }
 
     async def close(self) -> None:
+        for task in list(self._aborts):
+            task.cancel()
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
@@ -345,7 +307,7 @@ class SGLangBackend:
                          self.model_path, self.tp)
         return self._client
 
-    async def _apply_dict(self, client: Any, state: dict[str, Any]) -> None:
+    async def _apply_dict(self, client: Any, state: dict[str, Any], flush: bool) -> None:
         """A name -> tensor dict, in buckets of options.bucket_mb: each bucket goes to this
         engine's GPU, then to SGLang's workers by CUDA IPC (CPU tensors would travel as
         shared-memory file descriptors, which the HTTP path cannot carry); the prefix cache is
@@ -356,7 +318,7 @@ class SGLangBackend:
         for i, bucket in enumerate(buckets):
             named = await asyncio.to_thread(self._to_device, state, [n for n, _, _ in bucket])
             payload = serialize_named_tensors(named, self.tp, client.serialize_as_text)
-            check_result(await client.update_from_tensor(payload, i == len(buckets) - 1),
+            check_result(await client.update_from_tensor(payload, flush and i == len(buckets) - 1),
                          f"update_weights_from_tensor (bucket {i + 1}/{len(buckets)})")
             del named, payload
 
@@ -366,7 +328,7 @@ class SGLangBackend:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return [(k, torch.as_tensor(state[k]).to(device)) for k in names]
 
-    async def _receive_collective(self, client: Any, update: CollectiveUpdate) -> None:
+    async def _receive_collective(self, client: Any, update: CollectiveUpdate, flush: bool) -> None:
 
         if update.join is not None:
             host, port, offset, world, backend = update.join
@@ -375,7 +337,7 @@ class SGLangBackend:
             names = [n for n, _, _ in bucket]
             dtypes = [d.removeprefix("torch.") for _, _, d in bucket]
             shapes = [list(s) for _, s, _ in bucket]
-            last = i == len(update.buckets) - 1
+            last = flush and i == len(update.buckets) - 1
             check_result(await client.update_from_distributed(names, dtypes, shapes,
                                                               update.group_name, last),
                          f"update_weights_from_distributed (bucket {i + 1}/"

@@ -6,9 +6,10 @@
   Engine's TokenizerManager coroutines directly, with SGLang's own request structs.
 - HttpClient: an SGLang server (`python -m sglang.launch_server`) reached over HTTP, either one
   already running (`url`) or one this client launches as a child process. Same native
-  endpoints: /generate, /update_weights_from_tensor, /init_weights_update_group,
-  /update_weights_from_distributed, /pause_generation, /continue_generation, /flush_cache,
-  /get_weights_by_name, /health_generate.
+  endpoints: /generate, /abort_request, /update_weights_from_tensor,
+  /init_weights_update_group, /update_weights_from_distributed, /pause_generation,
+  /continue_generation, /get_weights_by_name, /health_generate. tests/serve/engines/
+  fake_sglang.py implements these (CPU), so this client is tested in `make test`.
 
 sglang is imported only inside these classes. Names follow sglang >= 0.5 (io_struct); where
 0.5.x versions differ (pause/continue without a request struct) both forms are tried.
@@ -30,7 +31,14 @@ log = logging.getLogger("rl360.engine.sglang")
 
 
 class SGLangClient(Protocol):
-    async def generate(self, input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]: ...
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any],
+                       rid: str) -> dict[str, Any]: ...
+
+    async def abort(self, rid: str) -> Any: ...
+
+    async def probe(self) -> None:
+        """One generation end to end (SGLang's /health_generate); raises when it fails."""
+        ...
 
     async def update_from_tensor(self, serialized_per_rank: list[Any], flush_cache: bool) -> Any: ...
 
@@ -76,9 +84,18 @@ class EngineClient:
         self.engine = sglang.Engine(**engine_kwargs)
         self.tm = self.engine.tokenizer_manager
 
-    async def generate(self, input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any],
+                       rid: str) -> dict[str, Any]:
         return await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
-                                                return_logprob=True)
+                                                return_logprob=True, rid=rid)
+
+    async def abort(self, rid: str) -> Any:
+        out = self.tm.abort_request(rid=rid)
+        return await out if asyncio.iscoroutine(out) else out
+
+    async def probe(self) -> None:
+        await self.engine.async_generate(input_ids=[0], sampling_params={"max_new_tokens": 1},
+                                         rid=f"rl360-probe-{time.monotonic_ns()}")
 
     async def update_from_tensor(self, serialized_per_rank: list[Any], flush_cache: bool) -> Any:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
@@ -195,9 +212,20 @@ class HttpClient:
                 return await r.json()
             return {"success": True, "message": await r.text()}
 
-    async def generate(self, input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any],
+                       rid: str) -> dict[str, Any]:
         return await self._post("/generate", {"input_ids": input_ids, "sampling_params": sampling,
-                                              "return_logprob": True})
+                                              "return_logprob": True, "rid": rid})
+
+    async def abort(self, rid: str) -> Any:
+        return await self._post("/abort_request", {"rid": rid})
+
+    async def probe(self) -> None:
+        s = await self._http()
+        async with s.get(f"{self.url}/health_generate") as r:
+            if r.status != 200:
+                raise RuntimeError(f"sglang /health_generate -> HTTP {r.status}: "
+                                   f"{(await r.text())[:200]}")
 
     async def update_from_tensor(self, serialized_per_rank: list[Any], flush_cache: bool) -> Any:
         return await self._post("/update_weights_from_tensor", {

@@ -1,0 +1,145 @@
+"""`rl360 plan --estimate`: generation, training, weight-sync and step time of one step of the
+recipe on the planned cluster, the bottleneck role, and the GPU split that would balance it.
+
+    est = estimate(recipe, figures_for(recipe, metrics="runs/x/metrics.jsonl"))
+
+The model (per step, workload = train.groups_per_batch x train.group_size episodes):
+  generation = episodes x tokens_per_episode / (engine.replicas x engine_tokens_per_s), and
+               no less than one episode's tokens at one sequence's decode speed
+  training   = the same tokens / (trainer.workers x trainer_tokens_per_s)
+  weight sync = the measured sync_s, else model bytes / sync bandwidth (every sync_every steps)
+  step       = generation + training + sync when train.max_staleness = 0 (synchronous);
+               else the slower of generation and training + sync (they overlap)
+Balance: GPU-seconds of rollout vs of training; the split of the same GPUs that makes them
+equal, rounded to whole engine replicas and trainer ranks.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from rl360.launch.throughput import Figures, _bytes_per_param
+from rl360.recipe import Recipe
+
+
+class Estimate(msgspec.Struct, kw_only=True):
+    episodes: int
+    gen_tokens: float
+    generation_s: float
+    training_s: float
+    sync_s: float
+    step_s: float
+    mode: str  # "synchronous" | "overlapped"
+    bottleneck: str  # "rollout" | "training" | "weight sync"
+    engine_gpus: float
+    trainer_gpus: float
+    balanced_engine_replicas: int = 0
+    balanced_trainer_workers: int = 0
+    balanced_step_s: float = 0.0
+    figures: Figures | None = None
+
+
+def _sync_s(recipe: Recipe, f: Figures) -> float:
+    if f.sync_s > 0:
+        per = f.sync_s
+    else:
+        per = f.params * _bytes_per_param(recipe.model.dtype) / (f.sync_gb_per_s * 1e9)
+    return per / recipe.train.sync_every
+
+
+def _step(mode: str, gen: float, train: float, sync: float) -> float:
+    return gen + train + sync if mode == "synchronous" else max(gen, train + sync)
+
+
+def estimate(recipe: Recipe, f: Figures) -> Estimate:
+    e, t, tr = recipe.engine, recipe.trainer, recipe.train
+    episodes = tr.groups_per_batch * tr.group_size
+    tokens = episodes * f.tokens_per_episode
+    gen = tokens / max(e.replicas * f.engine_tokens_per_s, 1e-12)
+    if f.seq_tokens_per_s > 0:
+        gen = max(gen, f.tokens_per_episode / f.seq_tokens_per_s)
+    train = tokens / max(t.workers * f.trainer_tokens_per_s, 1e-12)
+    sync = _sync_s(recipe, f)
+    mode = "synchronous" if tr.max_staleness == 0 else "overlapped"
+    step = _step(mode, gen, train, sync)
+    if gen >= train + sync:
+        neck = "rollout"
+    else:
+        neck = "weight sync" if sync > train else "training"
+    est = Estimate(episodes=episodes, gen_tokens=tokens, generation_s=gen, training_s=train,
+                   sync_s=sync, step_s=step, mode=mode, bottleneck=neck,
+                   engine_gpus=e.replicas * e.num_gpus, trainer_gpus=t.workers * t.num_gpus,
+                   figures=f)
+    _balance(est, recipe)
+    return est
+
+
+def _balance(est: Estimate, recipe: Recipe) -> None:
+    """The split of the same GPUs that equalises rollout and training GPU-seconds."""
+    e, t = recipe.engine, recipe.trainer
+    if e.num_gpus <= 0 or t.num_gpus <= 0:
+        return
+    total = est.engine_gpus + est.trainer_gpus
+    gen_work = est.generation_s * est.engine_gpus
+    train_work = est.training_s * est.trainer_gpus
+    if gen_work + train_work <= 0:
+        return
+    f = est.figures
+    floor = f.tokens_per_episode / f.seq_tokens_per_s if f and f.seq_tokens_per_s > 0 else 0.0
+    mp = t.tensor_parallel * t.pipeline_parallel * t.context_parallel if t.backend == "megatron" \
+        else 1
+    best: tuple[float, int, int] | None = None
+    for replicas in range(1, int(total // e.num_gpus) + 1):
+        workers = int((total - replicas * e.num_gpus) // t.num_gpus) // mp * mp
+        if workers < mp:
+            continue
+        gen = max(gen_work / (replicas * e.num_gpus), floor)
+        train = train_work / (workers * t.num_gpus)
+        step = _step(est.mode, gen, train, est.sync_s)
+        if best is None or step < best[0]:
+            best = (step, replicas, workers)
+    if best is not None:
+        est.balanced_step_s, est.balanced_engine_replicas, est.balanced_trainer_workers = best
+
+
+def _s(x: float) -> str:
+    return f"{x:.3g} s" if x < 10 else f"{x:,.0f} s"
+
+
+def render_estimate(est: Estimate, recipe: Recipe) -> list[str]:
+    f = est.figures
+    assert f is not None
+    e, t = recipe.engine, recipe.trainer
+    src = f.sources
+    lines = ["estimate  (one step; figures and their sources below)",
+             f"  workload     {est.episodes} episodes x {f.tokens_per_episode:,.0f} tokens = "
+             f"{est.gen_tokens:,.0f} generated tokens",
+             f"  generation   {_s(est.generation_s)}  ({e.replicas} x {e.backend} replica at "
+             f"{f.engine_tokens_per_s:,.0f} tok/s)",
+             f"  training     {_s(est.training_s)}  ({t.workers} x {t.backend} rank at "
+             f"{f.trainer_tokens_per_s:,.0f} tok/s)",
+             f"  weight sync  {_s(est.sync_s)}",
+             f"  step         {_s(est.step_s)}  ({est.mode}: " + (
+                 "generation + training + sync)" if est.mode == "synchronous"
+                 else "the slower of generation and training + sync)"),
+             f"  bottleneck   {est.bottleneck}"]
+    if est.bottleneck == "weight sync":
+        lines.append("  balance      weight-sync bound: moving GPUs between roles does not help; "
+                     "sync less often (train.sync_every) or over a faster transport")
+    elif est.balanced_engine_replicas:
+        same = (est.balanced_engine_replicas == e.replicas
+                and est.balanced_trainer_workers == t.workers)
+        lines.append(
+            f"  balance      {'already balanced: ' if same else ''}{est.balanced_engine_replicas} "
+            f"engine replicas ({est.balanced_engine_replicas * e.num_gpus:g} GPUs) + "
+            f"{est.balanced_trainer_workers} trainer ranks "
+            f"({est.balanced_trainer_workers * t.num_gpus:g} GPUs) of the same "
+            f"{est.engine_gpus + est.trainer_gpus:g}: step {_s(est.balanced_step_s)}")
+    else:
+        lines.append("  balance      no GPUs in this recipe: add engine replicas (rollout) or "
+                     "trainer workers (training), whichever is the bottleneck")
+    for key in ("tokens_per_episode", "engine_tokens_per_s", "trainer_tokens_per_s", "sync",
+                "params"):
+        if key in src:
+            lines.append(f"  source       {key}: {src[key]}")
+    return lines
