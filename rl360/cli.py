@@ -23,6 +23,8 @@ from rl360.launch.placement import PlacementError
 from rl360.merge.cli import DESCRIPTION as MERGE_DESCRIPTION
 from rl360.merge.cli import add_arguments as merge_arguments
 from rl360.recipe import RecipeError, load_recipe
+from rl360.serve.search.cli import DESCRIPTION as INDEX_DESCRIPTION
+from rl360.serve.search.cli import add_arguments as index_arguments
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +152,9 @@ COMMANDS: dict[str, Command] = {
                       takes_recipe=False),
     "merge": Command("merge expert checkpoints", "rl360.merge.cli:run_args", merge_arguments,
                      takes_recipe=False, description=MERGE_DESCRIPTION),
+    "index": Command("build and query search indexes (BM25, optional dense)",
+                     "rl360.serve.search.cli:run_args", index_arguments, takes_recipe=False,
+                     description=INDEX_DESCRIPTION),
     "plan": Command(
         "print the resolved recipe and where every role lands (starts nothing)",
         "rl360.launch.plan:plan_command", _plan_args,
@@ -182,8 +187,10 @@ def recipe_command(args: argparse.Namespace) -> int:
         r = load_recipe(args.recipe, args.overrides)
         print(json.dumps(msgspec.to_builtins(r), indent=2))
         return 0
+    from rl360.launch.stack import check_recipe_parts
+
     for path in args.recipes:
-        load_recipe(path)
+        check_recipe_parts(load_recipe(path))  # env.params and [search] too
         print(f"ok  {path}")
     return 0
 

@@ -123,6 +123,10 @@ class EnvSection(_S):
     episodes_per_actor: PosInt = 32
     num_cpus: NonNegFloat = 0.0
     env: str = ""  # "" = by task kind (code, harbor); else a name or "package.module:Class"
+    # the env's constructor parameters (reward, reward_params, format_penalty, tools,
+    # system_prompt, ...): with `env` set, this table; with env = "", one table per task kind
+    # ([env.params.code], [env.params.harbor]). Checked against the constructor at start.
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
     agent_fn: str = ""  # "package.module:run": an agent function instead of the built-in loop
     max_turns: PosInt = 8
     call_timeout_s: Annotated[float, Meta(gt=0.0)] = 300.0  # one chat call; beyond: infra error
@@ -134,14 +138,40 @@ class EnvSection(_S):
     limits: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
 
 
+class SearchSection(_S):
+    """The `search` Serve deployment (POST /search) and the agents' `search` tool; off while
+    `index` is empty. Build an index with `rl360 index build CORPUS --out DIR`."""
+
+    index: str = ""  # an index directory; "" = no search deployment, no search tool
+    replicas: PosInt = 1
+    num_cpus: NonNegFloat = 1.0
+    max_batch_size: Annotated[int, Meta(ge=1, le=4096)] = 64  # queries per serve.batch call
+    batch_wait_ms: Annotated[float, Meta(ge=0.0, le=1000.0)] = 2.0
+    max_ongoing_requests: PosInt = 256
+    route: str = "/search"
+    default_k: Annotated[int, Meta(ge=1, le=1000)] = 5
+    max_k: Annotated[int, Meta(ge=1, le=1000)] = 50  # a request asking for more gets max_k
+    snippet_chars: Annotated[int, Meta(ge=16, le=100_000)] = 300
+    mode: Literal["bm25", "dense", "hybrid"] = "bm25"  # the default; dense needs a dense index
+    tool_timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0  # the agents' search tool, per call
+
+
 class EvalSection(_S):
     tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
     attempts: PosInt = 8
     concurrency: PosInt = 16
     limit: NonNegInt = 0  # 0 = all tasks
     out: str = ""  # default: <run.out_dir>/<run.name>/eval.jsonl
-    band: tuple[Annotated[float, Meta(ge=0.0, le=1.0)], Annotated[float, Meta(ge=0.0, le=1.0)]] = (0.2, 0.8)
+    # `rl360 eval --calibrate` keeps the tasks whose pass rate over `attempts` attempts lies in
+    # [band_low, band_high] and writes their full records (usable as train.tasks)
+    band_low: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.2
+    band_high: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.4
+    calibrated_out: str = ""  # default: <run.out_dir>/<run.name>/calibrated_tasks.jsonl
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
+
+    def __post_init__(self) -> None:
+        if self.band_low > self.band_high:
+            raise ValueError(f"band_low ({self.band_low}) must be <= band_high ({self.band_high})")
 
 
 class LossSection(_S):
@@ -304,6 +334,7 @@ class Recipe(_S):
     serve: ServeSection = msgspec.field(default_factory=ServeSection)
     env: EnvSection = msgspec.field(default_factory=EnvSection)
     eval: EvalSection = msgspec.field(default_factory=EvalSection)
+    search: SearchSection = msgspec.field(default_factory=SearchSection)
     trainer: TrainerSection = msgspec.field(default_factory=TrainerSection)
     cluster: ClusterSection = msgspec.field(default_factory=ClusterSection)
     sft: SftSection = msgspec.field(default_factory=SftSection)

@@ -26,7 +26,7 @@ import ray
 from rl360.actors.session_client import SessionDirectory, ShardChatClient
 from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
-from rl360.envs.registry import build_env, resolve
+from rl360.envs.registry import build_env_for, resolve
 from rl360.recipe import EnvSection, SandboxLimits
 from rl360.types import EpisodeRecord, Task, Trajectory
 
@@ -76,10 +76,12 @@ class EnvActor:
     EXEC_SLOTS = 8  # concurrent execs in the warm sandboxes of one env actor
 
     def __init__(self, env_cfg: EnvSection, sampling: dict[str, Any], shard_names: list[str],
-                 namespace: str, base_url: str) -> None:
+                 namespace: str, base_url: str, services: dict[str, Any] | None = None) -> None:
         """`env_cfg`: the recipe's [env] section; `sampling`: the default sampling of its
-        episodes; the session shards by name (in `namespace`) and the server's base URL."""
+        episodes; the session shards by name (in `namespace`) and the server's base URL;
+        `services`: what every env gets as `Env.services` (e.g. the search tool's URL)."""
         self.cfg = env_cfg
+        self.services = dict(services or {})
         self.sampling = dict(sampling)
         self.sessions = SessionDirectory(shard_names, namespace)
         self.base_url = base_url
@@ -126,7 +128,8 @@ class EnvActor:
             pooled = False
             env = None
             try:
-                env = build_env(self.cfg.env or task.kind)
+                env = build_env_for(self.cfg.env, self.cfg.params, task.kind)
+                env.services = self.services
                 sandbox, pooled = self._sandbox_for(env, task, limits)
                 if self.cfg.agent_fn:
                     client = _openai_client(self.base_url, sid, token)
@@ -215,9 +218,12 @@ class EnvPool:
     """Driver-side handle on N EnvActors; `submit` returns an ObjectRef[Trajectory]."""
 
     def __init__(self, env: EnvSection, sampling: dict[str, Any], shard_names: list[str],
-                 namespace: str, base_url: str, actor_options: dict[str, Any] | None = None) -> None:
+                 namespace: str, base_url: str, actor_options: dict[str, Any] | None = None,
+                 services: dict[str, Any] | None = None) -> None:
         """`env.actors` EnvActors named rl360-env-<i> in `namespace`, each with the Ray
-        `actor_options` the assembler chose (resources, node role; default `env.num_cpus`)."""
+        `actor_options` the assembler chose (resources, node role; default `env.num_cpus`)
+        and the stack's `services` for its envs ({"search": {"url", "timeout_s",
+        "default_k"}} when the search app runs)."""
         options = with_plain_asyncio(actor_options or {"num_cpus": env.num_cpus})
         cls = ray.remote(EnvActor)
         self.actors = [
@@ -226,7 +232,7 @@ class EnvPool:
             cls.options(name=f"rl360-env-{i}", namespace=namespace,
                         max_concurrency=env.episodes_per_actor, get_if_exists=True,
                         max_restarts=-1, max_task_retries=0, **options)
-            .remote(env, sampling, shard_names, namespace, base_url)
+            .remote(env, sampling, shard_names, namespace, base_url, services)
             for i in range(env.actors)
         ]
         self._rr = itertools.cycle(range(len(self.actors)))

@@ -58,6 +58,9 @@ class Env(abc.ABC):
 
     transcript: list[Message]
     counters: dict[str, int]
+    # the stack's services, set by the env actor before setup: {"search": {"url", "timeout_s",
+    # "default_k"}} when the search app runs (rl360.envs.search_tool.make_toolbox reads it)
+    services: dict[str, Any] = {}  # replaced per env by the actor, never mutated
 
     # True when episodes may share one long-lived sandbox (the env never changes it and verify
     # runs a fresh process per grading); env actors then keep warm sandboxes per backend

@@ -4,7 +4,8 @@ The model's final answer holds the code: the last ```python block (or the last u
 or an unterminated one), else the bare text when it looks like Python. The tests (assert lines,
 or one test-code string) run in the sandbox, each on its own with a per-test time limit, in one
 interpreter start. Reward: the configured reward function (default the fraction of tests
-passed), with components tests_passed, all_pass and format.
+passed), plus a format penalty when `format_penalty` > 0, with components tests_passed,
+all_pass and format. Every constructor parameter can be set from the recipe (`env.params`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.envs.sandbox import Sandbox, SandboxFileError
+from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
-from rl360.rewards import RewardContext, build_reward
+from rl360.rewards import RewardContext, env_reward
 from rl360.types import Message, Reward, Task, ToolCall
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
@@ -99,8 +101,9 @@ def test_units(task: Task) -> list[str]:
 
 
 class CodeEnv(Env):
-    """Function-level Python tasks. `tools=True` gives the model the built-in tools and a
-    multi-turn episode; the final answer still carries the code."""
+    """Function-level Python tasks. `tools=True` gives the model the built-in tools (and the
+    stack's `search` tool when it runs; `tool_names` picks a subset) and a multi-turn episode;
+    the final answer still carries the code."""
 
     def __init__(
         self,
@@ -108,13 +111,16 @@ class CodeEnv(Env):
         system_prompt: str | None = None,
         reward: str = "tests_passed",
         reward_params: dict[str, Any] | None = None,
+        format_penalty: float = 0.0,
         per_test_timeout_s: float = 2.0,
         python_flags: tuple[str, ...] = ("-I", "-S"),
+        tool_names: tuple[str, ...] | None = None,
     ) -> None:
         self.use_tools = tools
+        self.tool_names = check_tool_names(tool_names)
         self.reuse_sandbox = not tools  # grading only: one warm sandbox serves many episodes
         self.system_prompt = system_prompt
-        self.reward_fn = build_reward(reward, **(reward_params or {}))
+        self.reward_fn = env_reward(reward, reward_params, format_penalty)
         self.per_test_timeout_s = per_test_timeout_s
         self.python_flags = list(python_flags)
         self.task: Task | None = None
@@ -135,7 +141,7 @@ class CodeEnv(Env):
         messages.append(Message(role="user", content=task.prompt))
         if not self.use_tools:
             return EnvStart(messages=messages)
-        self.toolbox = ToolBox(sandbox)
+        self.toolbox = make_toolbox(sandbox, self.tool_names, self.services)
         return EnvStart(messages=messages, tools=self.toolbox.specs)
 
     async def step(self, tool_call: ToolCall) -> ToolResult:

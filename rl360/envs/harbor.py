@@ -8,6 +8,11 @@ Sandbox: the task's memory, storage, cpus, network and timeouts are honoured; /l
 and /solution are private writable dirs next to the work dir (default /app). A task with its
 own image (docker_image or environment/Dockerfile) runs only on the docker backend; where no
 Docker engine runs it is refused up front, naming the task and the reason.
+
+Recipe parameters (`env.params`): system_prompt ({workdir} is filled in), the tools (default:
+the built-in ones plus `search` when the stack runs it), max_output_chars, and format_penalty
+(> 0: subtracted from the verifier's reward when the episode ended without a final answer or
+had malformed tool calls; component format_penalty).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from typing import Any
 
 from rl360.envs.api import Env, EnvStart, SandboxSpec, TaskRefused, ToolResult
 from rl360.envs.sandbox import Sandbox, SandboxLimits
+from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
+from rl360.rewards import FormatPenalty, RewardContext
 from rl360.types import Message, Reward, Task, ToolCall
 
 SCRATCH_DIRS = ["/logs", "/tests", "/solution"]
@@ -81,10 +88,18 @@ def parse_reward(text: str, kind: str) -> Reward:
 
 class HarborEnv(Env):
     def __init__(
-        self, system_prompt: str | None = SYSTEM_PROMPT, max_output_chars: int = 8000
+        self,
+        system_prompt: str | None = SYSTEM_PROMPT,
+        max_output_chars: int = 8000,
+        tools: tuple[str, ...] | None = None,
+        format_penalty: float = 0.0,
     ) -> None:
+        if format_penalty < 0:
+            raise ValueError(f"format_penalty must be >= 0, got {format_penalty}")
         self.system_prompt = system_prompt
         self.max_output_chars = max_output_chars
+        self.tool_names = check_tool_names(tools)
+        self.format_penalty = FormatPenalty(format_penalty) if format_penalty else None
         self.task: Task | None = None
         self.sandbox: Sandbox | None = None
         self.toolbox: ToolBox | None = None
@@ -145,7 +160,8 @@ class HarborEnv(Env):
             )
         await copy_tree(sandbox, self._root() / "environment" / "files", sandbox.workdir)
         await sandbox.exec("mkdir -p /logs/verifier /logs/agent", timeout=30)
-        self.toolbox = ToolBox(sandbox, max_output_chars=self.max_output_chars)
+        self.toolbox = make_toolbox(sandbox, self.tool_names, self.services,
+                                    max_output_chars=self.max_output_chars)
         messages = []
         if self.system_prompt:
             messages.append(
@@ -174,6 +190,17 @@ class HarborEnv(Env):
             ["bash", "/solution/solve.sh"], timeout=limit, env=self.task.data.get("env")
         )
 
+    def _penalized(self, reward: Reward) -> Reward:
+        if self.format_penalty is None:
+            return reward
+        answer = self.final_answer
+        pen = self.format_penalty(RewardContext(
+            answer=answer, has_final_answer=answer is not None,
+            malformed_tool_calls=self.counter("malformed_tool_calls")))
+        reward.value += pen.value
+        reward.components["format_penalty"] = pen.value
+        return reward
+
     async def verify(self) -> Reward:
         assert self.sandbox is not None and self.task is not None, "setup() first"
         sb = self.sandbox
@@ -197,7 +224,7 @@ class HarborEnv(Env):
                 continue
             reward = parse_reward(text, kind)
             reward.info.update(verifier_exit_code=res.exit_code, verifier_output=tail)
-            return reward
+            return self._penalized(reward)
         why = "timed out" if res.timed_out else f"exited {res.exit_code}"
         raise VerifierError(
             f"harbor task {self.task.id!r}: test.sh {why} without writing a reward: {tail[-500:]}"

@@ -1,7 +1,9 @@
-"""Task formats: code tasks in JSONL (streamed a line at a time) and Harbor task directories.
+"""Task formats: tasks in JSONL (streamed a line at a time) and Harbor task directories.
 
-Code task line: {"id", "instruction" | "prompt", "entry_point"?, "tests": [assert lines] |
-"test code", "reference"? (or "solution"), ...extra fields kept in Task.data}.
+A JSONL line is either a full task record {"id", "prompt", "kind", "data"} (any env kind: what
+`rl360 eval --calibrate` writes, and e.g. examples/search/tasks.jsonl) or a code task
+{"id", "instruction" | "prompt", "entry_point"?, "tests": [assert lines] | "test code",
+"reference"? (or "solution"), ...extra fields kept in Task.data}.
 
 Harbor task dir: instruction.md, task.toml ([agent] timeout_sec, [verifier] timeout_sec / env,
 [environment] cpus, memory_mb (or memory = "2G"), storage_mb (or storage), network_mode
@@ -60,8 +62,20 @@ def code_task(record: dict[str, Any], where: str = "<record>") -> Task:
     return Task(id=rec.id, prompt=prompt, kind="code", data=data)
 
 
+def full_task(record: dict[str, Any], where: str = "<record>") -> Task:
+    """A Task from a full task record {"id", "prompt", "kind", "data"}."""
+    try:
+        task = msgspec.convert(record, Task)
+    except msgspec.ValidationError as e:
+        raise TaskFormatError(f"{where}: not a task record {{id, prompt, kind, data}}: {e}") from None
+    if not task.id or not task.prompt or not task.kind:
+        raise TaskFormatError(f"{where}: a task record needs a non-empty id, prompt and kind")
+    return task
+
+
 def iter_code_tasks(path: str | os.PathLike[str]) -> Iterator[Task]:
-    """Stream code tasks from a JSONL file, one line at a time (blank lines skipped)."""
+    """Stream tasks from a JSONL file, one line at a time (blank lines skipped): full task
+    records (a line with "kind" and "data") or code task records."""
     decoder = msgspec.json.Decoder()
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
@@ -76,7 +90,10 @@ def iter_code_tasks(path: str | os.PathLike[str]) -> Iterator[Task]:
                 raise TaskFormatError(
                     f"{where}: expected a JSON object, got {type(record).__name__}"
                 )
-            yield code_task(record, where)
+            if "kind" in record and "data" in record:
+                yield full_task(record, where)
+            else:
+                yield code_task(record, where)
 
 
 # ----------------------------------------------------------------------------- Harbor

@@ -1,6 +1,9 @@
-"""ToolEnv ("tools"): a generic tool-using task. The model gets the built-in tools in the
-sandbox and ends with a final answer, graded by a reward function (default: exact answer
-against task.data["answer"]); optional task.data["files"] ({path: text}) seed the work dir."""
+"""ToolEnv ("tools"): a generic tool-using task. The model gets tools in the sandbox (default:
+the built-in ones plus the stack's `search` tool when it runs; `tools` names them, "search"
+included) and ends with a final answer, graded by a reward function (default: exact answer,
+normalized, against task.data["answer"]) plus an optional format penalty; optional
+task.data["files"] ({path: text}) seed the work dir. A task's data may narrow the tools
+(task.data["tools"]). Every constructor parameter can be set from the recipe (`env.params`)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.envs.sandbox import Sandbox
+from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
-from rl360.rewards import RewardContext, build_reward
+from rl360.rewards import RewardContext, env_reward
 from rl360.types import Message, Reward, Task, ToolCall
 
 
@@ -17,13 +21,14 @@ class ToolEnv(Env):
     def __init__(
         self,
         system_prompt: str | None = None,
-        tools: tuple[str, ...] = ("bash", "python", "read_file", "write_file", "edit_file"),
+        tools: tuple[str, ...] | None = None,
         reward: str = "exact_answer",
         reward_params: dict[str, Any] | None = None,
+        format_penalty: float = 0.0,
     ) -> None:
         self.system_prompt = system_prompt
-        self.tool_names = tools
-        self.reward_fn = build_reward(reward, **(reward_params or {}))
+        self.tool_names = check_tool_names(tools)
+        self.reward_fn = env_reward(reward, reward_params, format_penalty)
         self.task: Task | None = None
         self.toolbox: ToolBox | None = None
 
@@ -31,7 +36,9 @@ class ToolEnv(Env):
         self.task = task
         for path, text in (task.data.get("files") or {}).items():
             await sandbox.write_file(str(path), str(text))
-        self.toolbox = ToolBox(sandbox, self.tool_names)
+        names = task.data.get("tools", self.tool_names)
+        self.toolbox = make_toolbox(sandbox, None if names is None else tuple(names),
+                                    self.services)
         messages = (
             [Message(role="system", content=self.system_prompt)] if self.system_prompt else []
         )

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from rl360.envs.api import TaskRefused, choose_backend
-from rl360.envs.registry import build_env
+from rl360.envs.registry import build_env_for
 from rl360.envs.tasks import iter_tasks
 from rl360.launch.stack import running_stack
 from rl360.ray_session import STOP
@@ -40,7 +40,7 @@ def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], li
     ok, refused = [], []
     for t in tasks:
         try:
-            env = build_env(recipe.env.env or t.kind)
+            env = build_env_for(recipe.env.env, recipe.env.params, t.kind)
             choose_backend(env.sandbox_spec(t, recipe.env.limits), recipe.env.sandbox, t)
             ok.append(t)
         except TaskRefused as exc:
@@ -168,14 +168,39 @@ def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
     return 0
 
 
-def write_calibration(summary: dict[str, Any], tasks: list[Task], recipe: Recipe, run_dir: Path) -> None:
-    lo, hi = recipe.eval.band
-    rates = {r["task"]: r["pass@1"] for r in summary["rows"]}
+def task_record(task: Task) -> dict[str, Any]:
+    """A task as a full JSONL record (rl360.envs.tasks reads it back as the same Task)."""
+    return {"id": task.id, "prompt": task.prompt, "kind": task.kind, "data": task.data}
+
+
+def write_calibration(summary: dict[str, Any], tasks: list[Task], recipe: Recipe,
+                      run_dir: Path) -> Path:
+    """Keep the tasks whose pass rate (passes / scored attempts, out of eval.attempts) lies in
+    [eval.band_low, eval.band_high]: their full records go to a task file that works as
+    `train.tasks` as it is; calibration.json reports every task's rate. Returns the file."""
+    e = recipe.eval
+    lo, hi = e.band_low, e.band_high
+    rows = {r["task"]: r for r in summary["rows"]}
+    report = []
+    keep = []
+    for t in tasks:
+        r = rows.get(t.id)
+        rate = r["pass@1"] if r and r["n"] else None
+        inside = rate is not None and lo <= rate <= hi
+        report.append({"task": t.id, "kind": t.kind, "pass_rate": rate,
+                       "scored": r["n"] if r else 0, "infra_errors": r["infra_errors"] if r else 0,
+                       "kept": inside})
+        if inside:
+            keep.append(t)
+    out = Path(e.calibrated_out) if e.calibrated_out else run_dir / "calibrated_tasks.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
     (run_dir / "calibration.json").write_text(json.dumps(
-        {"attempts": recipe.eval.attempts, "band": [lo, hi], "pass_rates": rates}, indent=2))
-    keep = [t for t in tasks if lo <= rates.get(t.id, -1.0) <= hi]
-    with (run_dir / "calibrated_tasks.jsonl").open("w") as f:
+        {"attempts": e.attempts, "band": [lo, hi], "kept": len(keep), "tasks": len(tasks),
+         "task_file": str(out), "rates": report}, indent=2))
+    with out.open("wb") as f:
         for t in keep:
-            f.write(json.dumps({"id": t.id, "pass_rate": rates[t.id]}) + "\n")
-    print(f"calibration: {len(keep)}/{len(tasks)} tasks with pass rate in [{lo}, {hi}] -> "
-          f"{run_dir / 'calibrated_tasks.jsonl'} (rates: {run_dir / 'calibration.json'})")
+            f.write(msgspec.json.encode(task_record(t)) + b"\n")
+    print(f"calibration: {len(keep)}/{len(tasks)} tasks with pass rate in [{lo}, {hi}] over "
+          f"{e.attempts} attempts -> {out} (use as train.tasks; every rate: "
+          f"{run_dir / 'calibration.json'})")
+    return out

@@ -17,6 +17,7 @@ from rl360.rewards.graders import (
     TestsPassed,
     Weighted,
     build_reward,
+    env_reward,
     normalize_answer,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "TestsPassed",
     "Weighted",
     "build_reward",
+    "env_reward",
     "guarded",
     "normalize_answer",
     "reward_error_counts",

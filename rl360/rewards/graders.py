@@ -195,3 +195,18 @@ def build_reward(name: str, **params: Any) -> Guarded:
     except TypeError as e:
         raise ValueError(f"bad parameters for reward {name!r} {params}: {e}") from None
     return guarded(fn)
+
+
+def env_reward(reward: str, reward_params: Mapping[str, Any] | None = None,
+               format_penalty: float = 0.0) -> Guarded:
+    """An env's reward function: `reward` built with `reward_params`, plus the format penalty
+    term (-format_penalty for malformed tool calls, no final answer or a badly formatted one)
+    when format_penalty > 0."""
+    if format_penalty < 0:
+        raise ValueError(f"format_penalty must be >= 0, got {format_penalty}")
+    if not format_penalty:
+        return build_reward(reward, **dict(reward_params or {}))
+    return build_reward("weighted", terms=[
+        {"name": reward, "weight": 1.0, **dict(reward_params or {})},
+        {"name": "format_penalty", "weight": 1.0, "penalty": format_penalty},
+    ])

@@ -33,11 +33,38 @@ def test_infra_errors_are_counted_not_scored() -> None:
 
 
 def test_calibration_keeps_tasks_inside_the_band(tmp_path: Path) -> None:
-    recipe = decode_recipe({"eval": {"band": [0.2, 0.6], "attempts": 4}})
-    trajs = [traj("never", 0.0)] * 4 + [traj("half", 1.0), traj("half", 0.0)] * 2 + [traj("always", 1.0)] * 4
-    tasks = [Task(id=i, prompt="") for i in ("never", "half", "always")]
-    write_calibration(summarize(trajs, 4), tasks, recipe, tmp_path)
-    kept = [json.loads(x)["id"] for x in (tmp_path / "calibrated_tasks.jsonl").open()]
-    assert kept == ["half"]
-    rates = json.loads((tmp_path / "calibration.json").read_text())["pass_rates"]
-    assert rates == {"always": 1.0, "half": 0.5, "never": 0.0}
+    recipe = decode_recipe({"eval": {"band_low": 0.2, "band_high": 0.6, "attempts": 4}})
+    trajs = ([traj("never", 0.0)] * 4 + [traj("half", 1.0), traj("half", 0.0)] * 2
+             + [traj("always", 1.0)] * 4 + [traj("broken", None, "infra_error")] * 4)
+    tasks = [Task(id="never", prompt="p", data={"tests": ["assert True"]}),
+             Task(id="half", prompt="solve", data={"tests": ["assert f() == 1"], "family": "f"}),
+             Task(id="always", prompt="p", kind="tools", data={"answer": "a"}),
+             Task(id="broken", prompt="p", kind="harbor", data={"path": "/x"})]
+    out = write_calibration(summarize(trajs, 4), tasks, recipe, tmp_path)
+    assert out == tmp_path / "calibrated_tasks.jsonl"
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    rates = {r["task"]: (r["pass_rate"], r["kept"]) for r in report["rates"]}
+    assert rates == {"never": (0.0, False), "half": (0.5, True), "always": (1.0, False),
+                     "broken": (None, False)}  # every task's rate, infra-only ones without
+    assert report["band"] == [0.2, 0.6] and report["attempts"] == 4
+
+
+def test_calibrated_file_holds_full_records_that_load_as_tasks(tmp_path: Path) -> None:
+    from rl360.envs.tasks import iter_tasks
+
+    recipe = decode_recipe({"eval": {"band_low": 0.0, "band_high": 1.0, "attempts": 2,
+                                     "calibrated_out": str(tmp_path / "sub" / "cal.jsonl")}})
+    tasks = [Task(id="c", prompt="write f", data={"tests": ["assert f() == 1"], "entry_point": "f"}),
+             Task(id="t", prompt="q?", kind="tools", data={"answer": "KeyError", "tools": ["search"]}),
+             Task(id="h", prompt="do it", kind="harbor", data={"path": "/abs/task", "workdir": "/app"})]
+    trajs = [traj(t.id, v) for t in tasks for v in (1.0, 0.0)]
+    out = write_calibration(summarize(trajs, 2), tasks, recipe, tmp_path)
+    assert out == tmp_path / "sub" / "cal.jsonl"
+    assert list(iter_tasks(out)) == tasks  # the same Tasks, every kind, read by train.tasks' loader
+
+
+def test_default_band_is_the_seed_s_and_both_ends_are_keys() -> None:
+    e = decode_recipe({}).eval
+    assert (e.band_low, e.band_high) == (0.2, 0.4)
+    with pytest.raises(Exception, match=r"eval: band_low \(0\.5\) must be <= band_high"):
+        decode_recipe({"eval": {"band_low": 0.5, "band_high": 0.3}})

@@ -1,0 +1,187 @@
+"""Search serving: queries/s through the `search` Serve deployment (POST /search over HTTP,
+serve.batch) vs bm25s in process on the same queries and index, and recall@10 of the served
+hits against the in-process ones (they must be identical).
+
+    .venv/bin/python bench/search.py [--queries 2000] [--concurrency 64] [--batch 32]
+                                     [--replicas 1] [--index DIR]
+
+Corpus: the Python stdlib's docs (`rl360 index stdlib-corpus`, built here unless --index).
+Queries: 3-6 words drawn (seeded) from random chunks. Baseline: one bm25s `retrieve` call over
+all queries (its batch mode, one thread), tokenizing included. Ours: `--concurrency` clients
+each sending requests of `--batch` queries (1 = one query per request, what an agent's tool
+call sends; both are measured). Median of 3 runs each, with the spread; the load average is
+printed. The last line is
+{"bench": "search", "ours": <q/s at --batch>, "baseline": <q/s>, "ratio": ours/baseline, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build(tmp: Path) -> Path:
+    for args in (["stdlib-corpus", str(tmp / "corpus.jsonl")],
+                 ["build", str(tmp / "corpus.jsonl"), "--out", str(tmp / "index")]):
+        subprocess.run([sys.executable, "-m", "rl360", "index", *args], cwd=REPO, check=True)
+    return tmp / "index"
+
+
+def make_queries(index_dir: Path, n: int, seed: int = 0) -> list[str]:
+    from rl360.serve.search.index import SearchIndex
+
+    chunks = SearchIndex.load(index_dir).chunks
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [w for w in rng.choice(chunks).text.split() if w.isalpha() and len(w) > 3]
+        out.append(" ".join(rng.sample(words, min(len(words), rng.randint(3, 6)))) or "python")
+    return out
+
+
+def baseline(index_dir: Path, queries: list[str], k: int) -> tuple[float, list[list[str]]]:
+    import bm25s
+
+    from rl360.serve.search.index import SearchIndex, tokenize
+
+    idx = SearchIndex.load(index_dir)
+    retriever = bm25s.BM25.load(str(index_dir / "bm25"))
+    t0 = time.perf_counter()
+    docs, scores = retriever.retrieve(tokenize(queries, idx.stop), k=k, show_progress=False)
+    wall = time.perf_counter() - t0
+    ids = [[idx.chunks[int(d)].id for d, s in zip(drow, srow, strict=True) if s > 0]
+           for drow, srow in zip(docs, scores, strict=True)]
+    return len(queries) / wall, ids
+
+
+async def served(url: str, queries: list[str], k: int, conc: int,
+                 batch: int) -> tuple[float, list[list[str]]]:
+    import aiohttp
+    import msgspec
+
+    reqs = [queries[i : i + batch] for i in range(0, len(queries), batch)]
+    results: list[list[list[str]]] = [[] for _ in reqs]
+    nxt = iter(range(len(reqs)))
+
+    async def worker(http: aiohttp.ClientSession) -> None:
+        for i in nxt:
+            body = ({"query": reqs[i][0], "k": k} if batch == 1 else {"queries": reqs[i], "k": k})
+            async with http.post(url, json=body) as r:
+                raw = await r.read()
+                assert r.status == 200, raw[:300]
+                data = msgspec.json.decode(raw)
+            rows = [data["hits"]] if batch == 1 else data["results"]
+            results[i] = [[h["id"] for h in row] for row in rows]
+
+    conn = aiohttp.TCPConnector(limit=conc)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        await asyncio.gather(*(worker(http) for _ in range(min(conc, 8))))  # warm up
+        nxt = iter(range(len(reqs)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    return len(queries) / wall, [row for rows in results for row in rows]
+
+
+def recall(ours: list[list[str]], base: list[list[str]]) -> tuple[float, float]:
+    """(mean recall@k of ours against base over queries with hits, fraction identical)."""
+    rec = [len(set(o) & set(b)) / len(b) for o, b in zip(ours, base, strict=True) if b]
+    same = sum(o == b for o, b in zip(ours, base, strict=True)) / len(base)
+    return sum(rec) / len(rec), same
+
+
+def spread(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.0f} q/s (min {min(xs):.0f}, max {max(xs):.0f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--queries", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32, help="queries per request at batch load")
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--index", default="")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="rl360-bench-search-"))
+    index_dir = Path(args.index) if args.index else build(tmp)
+    queries = make_queries(index_dir, args.queries)
+    print(f"workload: {len(queries)} queries, k={args.k}, index {index_dir} "
+          f"({json.loads((index_dir / 'meta.json').read_text())['chunks']} chunks); "
+          f"cpus {os.cpu_count()}; load before {open('/proc/loadavg').read().split()[:3]}")
+    import ray
+    from ray import serve
+
+    from rl360.launch.search_app import start_search
+    from rl360.recipe import apply_overrides, decode_recipe
+    from rl360.serve.search.index import SearchIndex
+
+    recipe = decode_recipe(apply_overrides({}, [
+        f"serve.port={args.port}", f"search.index={json.dumps(str(index_dir))}",
+        f"search.replicas={args.replicas}", "search.max_batch_size=256",
+        f"search.max_k={args.k}", "search.num_cpus=0"]))
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    idx = SearchIndex.load(index_dir)
+    batches = sorted({1, args.batch})
+    base_runs: list[float] = []
+    full: list[float] = []
+    runs: dict[int, list[float]] = {b: [] for b in batches}
+    ids: dict[int, list[list[str]]] = {}
+    base_ids: list[list[str]] = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        handles = start_search(recipe)
+        assert handles is not None
+        for _ in range(3):  # interleaved, so a load swing on a shared box hits both sides
+            qps, base_ids = baseline(index_dir, queries, args.k)
+            base_runs.append(qps)
+            t0 = time.perf_counter()
+            idx.search(queries, args.k)
+            full.append(len(queries) / (time.perf_counter() - t0))
+            for batch in batches:
+                qps, ids[batch] = asyncio.run(
+                    served(handles.url, queries, args.k, args.concurrency, batch))
+                runs[batch].append(qps)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print(f"in process (bm25s.retrieve, 1 thread): {spread(base_runs)}")
+    print(f"for context, in process with titles and snippets (SearchIndex.search, what each "
+          f"replica runs per batch): {spread(full)}")
+    report: dict[int, tuple[list[float], float, float]] = {}
+    for batch in batches:
+        rec, same = recall(ids[batch], base_ids)
+        report[batch] = (runs[batch], rec, same)
+        print(f"through Serve, {args.concurrency} clients x {batch} quer{'y' if batch == 1 else 'ies'}"
+              f"/request, {args.replicas} replica(s): {spread(runs[batch])}; recall@{args.k} vs in "
+              f"process {rec:.4f}, identical lists {same:.4f}")
+    load = open("/proc/loadavg").read().split()[:3]
+    print(f"load after {load} (a shared box: figures are noisy)")
+    b = statistics.median(base_runs)
+    runs, rec, same = report[args.batch]
+    ours = statistics.median(runs)
+    single = statistics.median(report[1][0])
+    print(json.dumps({"bench": "search", "ours": round(ours, 1), "baseline": round(b, 1),
+                      "ratio": round(ours / b, 3), "batch": args.batch,
+                      "concurrency": args.concurrency, "replicas": args.replicas,
+                      "single_query_ratio": round(single / b, 3), "recall_at_k": round(rec, 4),
+                      "identical": round(same, 4), "load": load}))
+
+
+if __name__ == "__main__":
+    main()

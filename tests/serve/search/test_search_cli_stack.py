@@ -1,0 +1,54 @@
+"""`rl360 serve` with a [search] section starts the search app next to the session server (the
+stack's assembly, as `train` and `eval` use it): the banner names it and POST /search answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ports import free_ports
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_rl360_serve_starts_search(tmp_path: Path, stdlib_index: Path) -> None:
+    import httpx
+
+    port = free_ports(1)[0]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'[ray]\nnum_cpus = 2\ndashboard = false\n[engine]\nbackend = "scripted"\n'
+                      f'num_cpus = 0.5\n[serve]\nport = {port}\n'
+                      f'[search]\nindex = {json.dumps(str(stdlib_index))}\nnum_cpus = 0.5\n')
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_ADDRESS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "rl360", "serve", str(recipe), "--duration",
+                             "120"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+            if "search" in line and "/search" in line:
+                break
+        assert any(f"http://127.0.0.1:{port}/search" in x for x in lines), "".join(lines)
+        r = httpx.post(f"http://127.0.0.1:{port}/search", json={"query": "heapq nsmallest"},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["hits"][0]["doc_id"] == "module:heapq"
+    finally:
+        proc.terminate()  # SIGTERM: rl360 stops everything it started
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
