@@ -99,8 +99,11 @@ class TrainerWorker:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
             if master[0] == "127.0.0.1":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            # gloo for CPU tensors; NCCL for CUDA ones when this rank trains on its GPU
+            pg_backend = ("cpu:gloo,cuda:nccl" if config.num_gpus > 0 and torch.cuda.is_available()
+                          else "gloo")
             dist.init_process_group(
-                "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                pg_backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
             )
         self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed)
