@@ -510,6 +510,10 @@ class TorchTrainer:
         del loaded
         state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_train_state(state)
+
+    def _restore_train_state(self, state: dict[str, Any]) -> None:
+        """Scheduler, step and RNG state from a `_train_state()` dict."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         torch.set_rng_state(state["torch_rng"])
