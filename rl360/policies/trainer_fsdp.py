@@ -80,7 +80,9 @@ class FSDPTrainer(TorchTrainer):
         fully_shard(model, mesh=mesh, mp_policy=mp)
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)  # sum over ranks, never the mean
+                # sum over ranks, never the mean; a plain SUM (gloo has no PREMUL_SUM)
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
         return model
 
     def _all_reduce_grads(self) -> None:

@@ -154,7 +154,9 @@ class TorchTrainer:
         }
         model.train(False)  # no dropout: old == current must hold exactly
         if config.gradient_checkpointing:  # non-reentrant: the kind FSDP2 composes with
-            model.gradient_checkpointing_enable({"use_reentrant": False})
+            enable = (getattr(model, "activation_checkpointing_enable", None)  # transformers 5
+                      or model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})
         cfg = model.config
         self.model = self._place(model)
         self._setup_optimization(config)
