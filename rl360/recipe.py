@@ -160,8 +160,10 @@ class LossSection(_S):
 
 
 class TrainerSection(_S):
-    backend: Literal["torch", "megatron"] = "torch"
-    workers: PosInt = 1  # data-parallel trainer ranks (torch backend)
+    # torch: replicated data parallel; fsdp: torch sharded with FSDP2 (rl360.policies.trainer_fsdp);
+    # megatron: tensor parallel (GPU clusters)
+    backend: Literal["torch", "fsdp", "megatron"] = "torch"
+    workers: PosInt = 1  # data-parallel trainer ranks (torch and fsdp backends)
     num_cpus: NonNegFloat = 1.0
     num_gpus: NonNegFloat = 0.0
     lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-5

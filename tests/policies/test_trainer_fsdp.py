@@ -19,15 +19,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rl360.actors.trainer_group import split_by_tokens
-from rl360.policies.losses import LossConfig
 from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
-from rl360.policies.trainer_torch import TorchTrainer, TrainerConfig
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import LossSection, TrainerSection
 from rl360.types import Batch, TrainSample
 from tests.training.conftest import random_samples
 
-CFG = TrainerConfig(lr=1e-3, micro_batch_size=3, micro_batch_tokens=60,
-                    loss=LossConfig(name="ppo", tis_cap=2.0))
+CFG = TrainerSection(backend="fsdp", lr=1e-3, micro_batch_size=3, micro_batch_tokens=60,
+                     loss=LossSection(name="ppo", tis_cap=2.0))
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -72,7 +72,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))
     try:
-        trainer = build_trainer("fsdp", CFG, model)
+        trainer = build_trainer(CFG, model)
         b0, b1 = _batches()
         results: dict[str, Any] = {}
         grads = _record_grads(trainer)
@@ -163,8 +163,8 @@ def test_export_loads_in_transformers(two_ranks: tuple[Path, dict[str, Any]]) ->
 
 @pytest.mark.parametrize("reducer", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_packing_is_exact_for_every_reducer(tiny_dir: Path, private_group: None, reducer: str) -> None:
-    cfg = msgspec.structs.replace(CFG, loss=LossConfig(name="gspo", reducer=reducer, kl_coef=0.1))
-    padded, packed = TorchTrainer(cfg, tiny_dir), build_trainer("fsdp", cfg, tiny_dir)
+    cfg = msgspec.structs.replace(CFG, loss=LossSection(name="gspo", reducer=reducer, kl_coef=0.1))
+    padded, packed = TorchTrainer(cfg, tiny_dir), build_trainer(cfg, tiny_dir)
     batch = Batch(samples=random_samples(8, seed=5, max_len=30, noise=0.3))
     grads = [_record_grads(t) for t in (padded, packed)]
     m = [t.train_step(batch) for t in (padded, packed)]
@@ -175,7 +175,7 @@ def test_packing_is_exact_for_every_reducer(tiny_dir: Path, private_group: None,
 
 def test_bf16_activation_checkpointing_trains(tiny_dir: Path, private_group: None) -> None:
     cfg = msgspec.structs.replace(CFG, dtype="bfloat16", gradient_checkpointing=True)
-    t = build_trainer("fsdp", cfg, tiny_dir)
+    t = build_trainer(cfg, tiny_dir)
     before = t.state_dict_for_sync()
     m = t.train_step(Batch(samples=random_samples(6, seed=2)))
     assert m["skipped"] == 0.0 and m["grad_norm"] > 0
@@ -185,6 +185,6 @@ def test_bf16_activation_checkpointing_trains(tiny_dir: Path, private_group: Non
 
 def test_resume_refuses_a_torch_checkpoint(tiny_dir: Path, private_group: None, tmp_path: Path) -> None:
     TorchTrainer(CFG, tiny_dir).save(tmp_path / "torch")
-    t = build_trainer("fsdp", CFG, tiny_dir)
+    t = build_trainer(CFG, tiny_dir)
     with pytest.raises(FileNotFoundError, match="not an fsdp trainer checkpoint"):
         t.load(tmp_path / "torch")
