@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rl360.policies.trainer_torch import STATE_FILE, TorchTrainer, _Metrics, _MicroBatch
+from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 
 SHARDS_DIR = "fsdp"  # torch.distributed.checkpoint shards inside a checkpoint directory
@@ -58,17 +60,32 @@ class FSDPTrainer(TorchTrainer):
 
     collective_checkpoint = True  # every rank takes part in save (the trainer group asks all)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, config: TrainerSection, model_path: str | Path, **kwargs: Any) -> None:
+        """As `TorchTrainer` (the trainer group's process group is the FSDP group)."""
         if not dist.is_initialized():  # one rank on its own: a private 1-process group
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        super().__init__(*args, **kwargs)
+            gpu = config.num_gpus > 0 and torch.cuda.is_available()
+            dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
+        super().__init__(config, model_path, **kwargs)
         self._full: dict[str, Tensor] = self._gather()
 
     # ------------------------------------------------------------------ sharding
 
+    def _load_pretrained(self) -> Any:
+        """Rank 0 reads the weights; the other ranks build the model on the meta device (no
+        memory) and receive their shards from rank 0 in `_place`."""
+        if self.rank == 0:
+            return super()._load_pretrained()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path),
+                                                    dtype=torch.float32)
+
     def _place(self, model: Any) -> Any:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        full = model.state_dict() if self.rank == 0 else {}  # rank 0's weights, before sharding
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         bf16 = self.config.dtype == "bfloat16"
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -83,6 +100,14 @@ class FSDPTrainer(TorchTrainer):
                 # sum over ranks, never the mean; a plain SUM (gloo has no PREMUL_SUM)
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+        if self.rank != 0:
+            model.to_empty(device=self.device)
+        else:
+            model.to(self.device)  # buffers FSDP does not manage (e.g. rotary frequencies)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                    broadcast_from_rank0=True))
+        for buf in model.buffers():  # non-persistent buffers are in no state dict
+            dist.broadcast(buf, src=0)
         return model
 
     def _all_reduce_grads(self) -> None:

@@ -138,14 +138,12 @@ class TorchTrainer:
                  temperature: float = 1.0, seed: int = 0) -> None:
         """`temperature`: the engines' sampling temperature (logits are divided by it, as the
         engines sampled); `seed`: the run's seed."""
-        from transformers import AutoModelForCausalLM
-
         self._init_common(config, model_path, temperature, seed)
         self.placement: Placement = select_device(config.num_gpus, config.dtype,
                                                   gpus_key="trainer.num_gpus",
                                                   dtype_key="trainer.dtype")
         self.device = self.placement.device
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model = self._load_pretrained()
         # tokenizer / template files, read now: the directory we loaded from may be an older
         # checkpoint that checkpoint rotation deletes before our next save
         self._side_files = {
@@ -161,7 +159,7 @@ class TorchTrainer:
         self.model = self._place(model)
         self._setup_optimization(config)
         if self.loss_fn.needs_reference:
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            ref = self._load_pretrained()
             self.reference = self._place(ref.train(False).requires_grad_(False))
         self.vocab = int(cfg.vocab_size)
         pad = getattr(cfg, "pad_token_id", None)
@@ -215,6 +213,12 @@ class TorchTrainer:
         self.loss_fn: PolicyLoss = build_policy_loss(config.loss)
         self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
         self.reference: Any = None
+
+    def _load_pretrained(self) -> Any:
+        """The HF model at model_path in fp32 (backends that shard may skip the weights)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
 
     def _place(self, model: Any) -> Any:
         """Put a freshly loaded fp32 model where it computes (backends that shard override)."""

@@ -176,6 +176,8 @@ def test_packing_is_exact_for_every_reducer(tiny_dir: Path, private_group: None,
 def test_bf16_activation_checkpointing_trains(tiny_dir: Path, private_group: None) -> None:
     cfg = msgspec.structs.replace(CFG, dtype="bfloat16", gradient_checkpointing=True)
     t = build_trainer(cfg, tiny_dir)
+    layers = t.model.model.layers
+    assert all(getattr(m, "gradient_checkpointing", False) for m in layers) and len(layers) == 2
     before = t.state_dict_for_sync()
     m = t.train_step(Batch(samples=random_samples(6, seed=2)))
     assert m["skipped"] == 0.0 and m["grad_norm"] > 0
