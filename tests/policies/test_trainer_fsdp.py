@@ -24,7 +24,7 @@ from rl360.policies.trainer_backends import build_trainer
 from rl360.policies.trainer_torch import TorchTrainer
 from rl360.recipe import LossSection, TrainerSection
 from rl360.types import Batch, TrainSample
-from tests.training.conftest import random_samples
+from tests.policies.conftest import random_samples
 
 CFG = TrainerSection(backend="fsdp", lr=1e-3, micro_batch_size=3, micro_batch_tokens=60,
                      loss=LossSection(name="ppo", tis_cap=2.0))
