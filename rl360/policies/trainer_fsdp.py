@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from huggingface_hub import save_torch_state_dict
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rl360.policies.trainer_torch import STATE_FILE, TorchTrainer, _Metrics, _MicroBatch
 from rl360.recipe import TrainerSection
@@ -76,8 +78,6 @@ class FSDPTrainer(TorchTrainer):
         memory) and receive their shards from rank 0 in `_place`."""
         if self.rank == 0:
             return super()._load_pretrained()
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path),
                                                     dtype=torch.float32)
@@ -215,8 +215,6 @@ class FSDPTrainer(TorchTrainer):
 
     def save(self, out_dir: str | Path) -> Path:
         """Collective: every rank writes its shards to <out_dir>/fsdp; rank 0 the HF export."""
-        from huggingface_hub import save_torch_state_dict
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {"model": get_model_state_dict(self.model)}

@@ -3,12 +3,18 @@ num_gpus + dtype + the CUDA devices a process sees -> torch device and dtype; cl
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rl360.policies.devices import place_for_generation, select_device
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import EngineSection, ModelSection, TrainerSection
+from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
+from rl360.types import Batch, SamplingParams
 
 TRAINER = {"gpus_key": "trainer.num_gpus", "dtype_key": "trainer.dtype"}
 ENGINE = {"gpus_key": "engine.num_gpus", "dtype_key": "model.dtype"}
@@ -40,8 +46,6 @@ def test_gpus_reserved_but_none_visible_names_the_key() -> None:
 
 
 def test_cpu_placement_only_casts(tiny_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     lm = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     placed = place_for_generation(lm, select_device(0, "bfloat16", cuda_devices=0, **ENGINE))
     assert placed is lm and next(lm.parameters()).dtype == torch.bfloat16
@@ -51,10 +55,6 @@ def test_cpu_placement_only_casts(tiny_dir: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a CPU-only host")
 def test_trainer_and_engine_refuse_gpus_they_cannot_see(tiny_dir: Path) -> None:
-    from rl360.policies.trainer_torch import TorchTrainer
-    from rl360.recipe import TrainerSection
-    from rl360.serve.engines.torch_backend import load_causal_lm
-
     with pytest.raises(RuntimeError, match=r"trainer\.num_gpus = 1"):
         TorchTrainer(TrainerSection(num_gpus=1), tiny_dir)
     with pytest.raises(RuntimeError, match=r"engine\.num_gpus = 0.5"):
@@ -63,12 +63,6 @@ def test_trainer_and_engine_refuse_gpus_they_cannot_see(tiny_dir: Path) -> None:
 
 @no_cuda
 def test_engine_generates_on_the_gpu(tiny_dir: Path) -> None:
-    import asyncio
-
-    from rl360.recipe import EngineSection, ModelSection
-    from rl360.serve.engines.torch_backend import TorchBackend
-    from rl360.types import SamplingParams
-
     be = TorchBackend(EngineSection(num_gpus=1), ModelSection(path=str(tiny_dir), dtype="bfloat16"))
     assert next(be.model.parameters()).device.type == "cuda"
 
@@ -83,10 +77,6 @@ def test_engine_generates_on_the_gpu(tiny_dir: Path) -> None:
 
 @no_cuda
 def test_trainer_steps_on_the_gpu(tiny_dir: Path, make_samples) -> None:  # type: ignore[no-untyped-def]
-    from rl360.policies.trainer_torch import TorchTrainer
-    from rl360.recipe import TrainerSection
-    from rl360.types import Batch
-
     t = TorchTrainer(TrainerSection(num_gpus=1, dtype="bfloat16", lr=1e-3), tiny_dir)
     assert next(t.model.parameters()).device.type == "cuda"
     m = t.train_step(Batch(samples=make_samples(4, seed=1)))

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 
 from rl360.actors.trainer_group import split_by_tokens
 from rl360.policies.reducers import global_denominators
@@ -153,8 +154,6 @@ def test_sharded_checkpoint_resumes_to_the_same_step(two_ranks: tuple[Path, dict
 
 
 def test_export_loads_in_transformers(two_ranks: tuple[Path, dict[str, Any]]) -> None:
-    from transformers import AutoModelForCausalLM
-
     out, two = two_ranks
     lm = AutoModelForCausalLM.from_pretrained(out / "ckpt", dtype=torch.float32)
     assert _max_diff(dict(lm.state_dict()), two["w0"]) == 0.0  # the weights after step 1
