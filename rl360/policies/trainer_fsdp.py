@@ -134,7 +134,8 @@ class FSDPTrainer(TorchTrainer):
         if pack:
             yield pack
 
-    def _pack(self, pack: list[TrainSample]) -> _MicroBatch:
+    def _pack(self, pack: list[TrainSample], proximal: dict[int, Tensor] | None,
+              index: dict[int, int] | None) -> _MicroBatch:
         lens = [len(s.tokens) for s in pack]
         width = max(lens)
         ids = torch.tensor([t for s in pack for t in s.tokens], dtype=torch.long).unsqueeze(0)
@@ -152,21 +153,27 @@ class FSDPTrainer(TorchTrainer):
             unpack[r, : n - 1] = torch.arange(offset, offset + n - 1)
             offset += n
         adv = torch.tensor([s.advantage for s in pack], dtype=torch.float32)
-        return _MicroBatch(ids, None, mask, samp, adv, positions, unpack).to(self.device)
+        old, rows = self._proximal_rows(pack, width, proximal, index)
+        return _MicroBatch(ids, None, mask, samp, adv, old, rows, positions,
+                           unpack).to(self.device)
 
     def _empty(self) -> _MicroBatch:
         """A 2-token micro-batch without loss tokens, for a rank that ran out of work."""
         z = torch.zeros((1, 1))
         return _MicroBatch(torch.full((1, 2), self.pad_id, dtype=torch.long), None, z, z,
-                           torch.zeros(1), torch.arange(2).unsqueeze(0),
+                           torch.zeros(1), None, [], torch.arange(2).unsqueeze(0),
                            torch.zeros((1, 1), dtype=torch.long)).to(self.device)
 
-    def _micro_batches(self, samples: list[TrainSample]) -> Iterator[_MicroBatch]:
+    def _micro_batches(self, samples: list[TrainSample], proximal: dict[int, Tensor] | None = None,
+                       index: dict[int, int] | None = None) -> Iterator[_MicroBatch]:
+        """Packed micro-batches (`proximal`, `index`: as TorchTrainer's), then empty ones up
+        to the most any rank has: every forward (also the proximal scoring pass) runs on all
+        ranks."""
         packs = list(self._packs(samples))
         count = torch.tensor([len(packs)], dtype=torch.long, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         for p in packs:
-            yield self._pack(p)
+            yield self._pack(p, proximal, index)
         for _ in range(int(count) - len(packs)):
             yield self._empty()
 

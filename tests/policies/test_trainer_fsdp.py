@@ -160,16 +160,23 @@ def test_export_loads_in_transformers(two_ranks: tuple[Path, dict[str, Any]]) ->
     assert lm.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()  # still tied
 
 
-@pytest.mark.parametrize("reducer", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_packing_is_exact_for_every_reducer(tiny_dir: Path, private_group: None, reducer: str) -> None:
-    cfg = msgspec.structs.replace(CFG, loss=LossSection(name="gspo", reducer=reducer, kl_coef=0.1))
+@pytest.mark.parametrize(("reducer", "steps"), [
+    ("token-mean", 1), ("seq-mean-token-mean", 1), ("seq-mean-token-sum-norm", 1),
+    ("token-mean", 2),  # 2 minibatches x 2 epochs: the proximal pass runs packed too
+])
+def test_packing_is_exact_for_every_reducer(tiny_dir: Path, private_group: None, reducer: str,
+                                            steps: int) -> None:
+    cfg = msgspec.structs.replace(CFG, loss=LossSection(name="gspo", reducer=reducer, kl_coef=0.1),
+                                  minibatches=steps, epochs=steps)
     padded, packed = TorchTrainer(cfg, tiny_dir), build_trainer(cfg, tiny_dir)
     batch = Batch(samples=random_samples(8, seed=5, max_len=30, noise=0.3))
     grads = [_record_grads(t) for t in (padded, packed)]
     m = [t.train_step(batch) for t in (padded, packed)]
     for key in ("loss", "grad_norm", "kl"):
         assert m[1][key] == pytest.approx(m[0][key], rel=1e-5, abs=1e-7), key
-    assert _max_diff(grads[1], grads[0]) < 1e-6
+    assert _max_diff(grads[1], grads[0]) < 1e-6  # the last optimizer step's
+    assert m[1]["optimizer_steps"] == m[0]["optimizer_steps"] == steps * steps
+    assert _max_diff(packed.state_dict_for_sync(), padded.state_dict_for_sync()) < 1e-5
 
 
 def test_bf16_activation_checkpointing_trains(tiny_dir: Path, private_group: None) -> None:
