@@ -193,9 +193,10 @@ class LossSection(_S):
 
 
 class TrainerSection(_S):
-    # torch: replicated data parallel; fsdp: FSDP2-sharded data parallel; megatron: TP x DP
+    # torch: replicated data parallel; fsdp: torch sharded with FSDP2 (rl360.policies.trainer_fsdp);
+    # megatron: tensor parallel (GPU clusters)
     backend: Literal["torch", "fsdp", "megatron"] = "torch"
-    workers: PosInt = 1  # trainer ranks (data parallel; megatron: TP x DP)
+    workers: PosInt = 1  # data-parallel trainer ranks (torch, fsdp; megatron: TP x DP)
     num_cpus: NonNegFloat = 1.0
     num_gpus: NonNegFloat = 0.0
     lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-5

@@ -1,6 +1,6 @@
 """The trainer group: W Ray actors (`TrainerWorker`, named `rl360-trainer-{rank}`), each
 holding a trainer built by `rl360.policies.trainer_backends.build_trainer` (the recipe's
-`trainer.backend`: "torch" or "megatron"), one data-parallel rank each.
+`trainer.backend`: "torch", "fsdp" or "megatron"), one data-parallel rank each.
 
 With W > 1 the workers join a torch.distributed gloo group (rank 0's node address and a free
 port there, found by rank 0 and handed to all ranks by the group). Per step the group counts
@@ -8,7 +8,7 @@ the loss tokens and sequences of the WHOLE batch, splits the samples over the ra
 by token count, and every rank runs the same optimizer step on gradients summed over ranks;
 the global denominators make the sum exact (no averaging), so W ranks step exactly like one.
 
-Checkpoints: rank 0 writes; every rank loads, so `load(dir)` needs a directory all trainer
+Checkpoints: rank 0 writes (every rank with fsdp: its shards); every rank loads, so `load(dir)` needs a directory all trainer
 nodes can read (one machine, or a shared filesystem).
 """
 
@@ -99,8 +99,11 @@ class TrainerWorker:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
             if master[0] == "127.0.0.1":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            # gloo for CPU tensors; NCCL for CUDA ones when this rank trains on its GPU
+            pg_backend = ("cpu:gloo,cuda:nccl" if config.num_gpus > 0 and torch.cuda.is_available()
+                          else "gloo")
             dist.init_process_group(
-                "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                pg_backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
                 world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
             )
         self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed)
@@ -109,7 +112,9 @@ class TrainerWorker:
         # the same samples; a backend without model parallelism is one replica per rank
         return {"rank": self.rank, "params": n, "pid": os.getpid(),
                 "dp_rank": int(getattr(self.trainer, "dp_rank", self.rank)),
-                "tp_rank": int(getattr(self.trainer, "tp_rank", 0))}
+                "tp_rank": int(getattr(self.trainer, "tp_rank", 0)),
+                # a sharded backend (fsdp) saves with every rank (a collective)
+                "collective_checkpoint": bool(getattr(self.trainer, "collective_checkpoint", False))}
 
     def train_step(self, batch_bytes: bytes, global_tokens: int, global_seqs: int) -> dict[str, float]:
         batch = msgspec.msgpack.decode(batch_bytes, type=Batch)
@@ -285,9 +290,10 @@ class TrainerGroup:
 
     def save(self, out_dir: str | Path) -> Path:
         """Every rank of data-parallel replica 0 writes its part (one rank without model
-        parallelism; with TP, rank 0 the model and each TP rank its optimizer slice)."""
+        parallelism; with TP, rank 0 the model and each TP rank its optimizer slice); with a
+        sharded backend (fsdp) every rank writes its shards."""
         writers = [w for w, i in zip(self.workers, self.info, strict=True)
-                   if not i.get("dp_rank", 0)]
+                   if not i.get("dp_rank", 0) or i.get("collective_checkpoint")]
         return Path(self._get([w.save.remote(str(out_dir)) for w in writers], "save")[0])
 
     def load(self, in_dir: str | Path) -> int:

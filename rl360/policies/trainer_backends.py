@@ -42,6 +42,14 @@ def _torch(config: TrainerSection, model_path: str | Path, *, temperature: float
     return TorchTrainer(config, model_path, temperature=temperature, seed=seed)
 
 
+def _fsdp(config: TrainerSection, model_path: str | Path, *, temperature: float,
+          seed: int) -> Trainer:
+    from rl360.policies.trainer_fsdp import FSDPTrainer
+
+    # FSDP2 over every rank of the trainer group (data parallel, sharded)
+    return FSDPTrainer(config, model_path, temperature=temperature, seed=seed)
+
+
 def _megatron(config: TrainerSection, model_path: str | Path, *, temperature: float,
               seed: int) -> Trainer:
     try:
@@ -55,7 +63,7 @@ def _megatron(config: TrainerSection, model_path: str | Path, *, temperature: fl
     return MegatronTrainer(config, model_path, temperature=temperature, seed=seed)
 
 
-TRAINER_BACKENDS: dict[str, TrainerFactory] = {"torch": _torch, "megatron": _megatron}
+TRAINER_BACKENDS: dict[str, TrainerFactory] = {"torch": _torch, "fsdp": _fsdp, "megatron": _megatron}
 
 
 def build_trainer(config: TrainerSection, model_path: str | Path, *, temperature: float = 1.0,

@@ -24,7 +24,7 @@ import contextlib
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rl360.policies.devices import Placement, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
 from rl360.recipe import TrainerSection
@@ -46,13 +47,29 @@ _BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
 
 @dataclass
 class _MicroBatch:
-    ids: Tensor  # [B, L] right-padded
-    attn: Tensor  # [B, L]
+    """B sequences. The model sees `ids`: B right-padded rows, or (packed) one row of the
+    sequences back to back with per-sequence `positions`. Everything the loss reads is in the
+    padded [B, L-1] layout; `padded` brings per-target values of a packed row into it."""
+
+    ids: Tensor  # [B, L] right-padded, or [1, T] packed
+    attn: Tensor | None  # [B, L] padding mask (None when packed)
     mask: Tensor  # [B, L-1] loss mask on targets ids[:, 1:]
     sampling: Tensor  # [B, L-1]
     adv: Tensor  # [B]
     old: Tensor | None = None  # [B, L-1] proximal logprobs (None: the current ones, detached)
     rows: list[int] = field(default_factory=list)  # the samples' indices in the batch
+    positions: Tensor | None = None  # [1, T]: position ids of a packed row
+    unpack: Tensor | None = None  # [B, L-1]: index of each target in the packed row's T-1
+
+    def padded(self, x: Tensor) -> Tensor:
+        """Per-target values [R, W-1] of what the model saw -> the padded [B, L-1] layout."""
+        return x if self.unpack is None else x[0][self.unpack]
+
+    def to(self, device: torch.device) -> _MicroBatch:
+        if device.type == "cpu":
+            return self
+        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+                                for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
 
 
 class _Metrics:
@@ -121,24 +138,29 @@ class TorchTrainer:
                  temperature: float = 1.0, seed: int = 0) -> None:
         """`temperature`: the engines' sampling temperature (logits are divided by it, as the
         engines sampled); `seed`: the run's seed."""
-        from transformers import AutoModelForCausalLM
-
         self._init_common(config, model_path, temperature, seed)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.placement: Placement = select_device(config.num_gpus, config.dtype,
+                                                  gpus_key="trainer.num_gpus",
+                                                  dtype_key="trainer.dtype")
+        self.device = self.placement.device
+        model = self._load_pretrained()
         # tokenizer / template files, read now: the directory we loaded from may be an older
         # checkpoint that checkpoint rotation deletes before our next save
         self._side_files = {
             f.name: f.read_bytes() for f in self.model_path.iterdir()
             if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith(_WEIGHT_SUFFIXES)
         }
-        self.model.train(False)  # no dropout: old == current must hold exactly
-        if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+        model.train(False)  # no dropout: old == current must hold exactly
+        if config.gradient_checkpointing:  # non-reentrant: the kind FSDP2 composes with
+            enable = (getattr(model, "activation_checkpointing_enable", None)  # transformers 5
+                      or model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})
+        cfg = model.config
+        self.model = self._place(model)
         self._setup_optimization(config)
         if self.loss_fn.needs_reference:
-            self.reference = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-            self.reference.train(False).requires_grad_(False)
-        cfg = self.model.config
+            ref = self._load_pretrained()
+            self.reference = self._place(ref.train(False).requires_grad_(False))
         self.vocab = int(cfg.vocab_size)
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) else 0
@@ -191,6 +213,16 @@ class TorchTrainer:
         self.loss_fn: PolicyLoss = build_policy_loss(config.loss)
         self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
         self.reference: Any = None
+
+    def _load_pretrained(self) -> Any:
+        """The HF model at model_path in fp32 (backends that shard may skip the weights)."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+
+    def _place(self, model: Any) -> Any:
+        """Put a freshly loaded fp32 model where it computes (backends that shard override)."""
+        return model.to(self.device)
 
     # ------------------------------------------------------------------ training
 
@@ -247,7 +279,7 @@ class TorchTrainer:
         """Forward/backward over the samples `part` (micro-batched; denominators of the whole
         part over every rank), gradients summed over ranks, clipped, one AdamW step.
         Returns (loss, grad norm, stepped)."""
-        loss_total = torch.zeros((), dtype=torch.float64)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.optimizer.zero_grad(set_to_none=True)
         work = self._samples_with_gradient([samples[i] for i in part])
         index = {id(s): i for i, s in zip(part, (samples[i] for i in part), strict=True)}
@@ -274,9 +306,9 @@ class TorchTrainer:
         out: dict[int, Tensor] = {}
         index = {id(s): i for i, s in enumerate(samples)}
         for mb in self._micro_batches(samples, None, index):
-            logprobs = self._target_logprobs(self._logits(self.model, mb), mb.ids)
+            logprobs = mb.padded(self._target_logprobs(self._logits(self.model, mb), mb.ids))
             for r, i in enumerate(mb.rows):
-                out[i] = logprobs[r, : len(samples[i].tokens) - 1].clone()
+                out[i] = logprobs[r, : len(samples[i].tokens) - 1].to("cpu", copy=True)
         return out
 
     def _samples_with_gradient(self, samples: list[TrainSample]) -> list[TrainSample]:
@@ -317,28 +349,42 @@ class TorchTrainer:
             attn = torch.zeros((len(chunk), width), dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.float32)
             samp = torch.zeros((len(chunk), width), dtype=torch.float32)
-            old = torch.zeros((len(chunk), width - 1), dtype=torch.float32) if proximal else None
-            rows = [index[id(s)] if index is not None else r for r, s in enumerate(chunk)]
+            old, rows = self._proximal_rows(chunk, width, proximal, index)
             for r, s in enumerate(chunk):
                 n = len(s.tokens)
                 ids[r, :n] = torch.tensor(s.tokens, dtype=torch.long)
                 attn[r, :n] = 1
                 mask[r, :n] = torch.tensor(s.mask, dtype=torch.float32)
                 samp[r, :n] = torch.tensor(s.sampling_logprobs, dtype=torch.float32)
-                if old is not None and proximal is not None:
-                    old[r, : n - 1] = proximal[rows[r]]
             adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-            yield _MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows)
+            yield _MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows).to(self.device)
+
+    @staticmethod
+    def _proximal_rows(chunk: list[TrainSample], width: int, proximal: dict[int, Tensor] | None,
+                       index: dict[int, int] | None) -> tuple[Tensor | None, list[int]]:
+        """The chunk's sample indices in the batch and, when the batch takes several steps,
+        their proximal logprobs in the padded [B, width-1] layout (else None)."""
+        rows = [index[id(s)] if index is not None else r for r, s in enumerate(chunk)]
+        if not proximal:
+            return None, rows
+        old = torch.zeros((len(chunk), width - 1), dtype=torch.float32)
+        for r, s in enumerate(chunk):
+            old[r, : len(s.tokens) - 1] = proximal[rows[r]]
+        return old, rows
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.dtype == "bfloat16":
-            return torch.autocast(device_type="cpu", dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _logits(self, model: Any, mb: _MicroBatch) -> Tensor:
+        """Logits of every position but the last, as the model saw them ([R, W-1, V])."""
         with self._autocast():
-            attn = mb.attn if self.config.attention_mask else None
-            out = model(input_ids=mb.ids, attention_mask=attn, use_cache=False)
+            if mb.positions is not None:  # packed: no mask, positions restart per sequence
+                out = model(input_ids=mb.ids, position_ids=mb.positions, use_cache=False)
+            else:
+                attn = mb.attn if self.config.attention_mask else None
+                out = model(input_ids=mb.ids, attention_mask=attn, use_cache=False)
         return out.logits[:, :-1].float() / self.temperature
 
     @staticmethod
@@ -355,19 +401,20 @@ class TorchTrainer:
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logprobs = self._target_logprobs(self._logits(self.reference, mb), mb.ids)
+                ref_logits = self._logits(self.reference, mb)
+                ref_logprobs = mb.padded(self._target_logprobs(ref_logits, mb.ids))
         logits = self._logits(self.model, mb)
-        logprobs = self._target_logprobs(logits, mb.ids)
+        logprobs = mb.padded(self._target_logprobs(logits, mb.ids))
         old = mb.old if mb.old is not None else logprobs.detach()
         per_token, metrics = self.loss_fn(logprobs, old, mb.sampling, mb.adv, mb.mask, ref_logprobs)
         if self.config.loss.entropy_coef > 0:
-            bonus = entropy_from_logits(logits) * mb.mask
+            bonus = mb.padded(entropy_from_logits(logits)) * mb.mask
             per_token = per_token - self.config.loss.entropy_coef * bonus
         loss = self.reducer(per_token, mb.mask, global_tokens=global_tokens, global_seqs=global_seqs)
         loss.backward()
         with torch.no_grad():
             m = mb.mask
-            metrics["entropy"] = (entropy_from_logits(logits.detach()) * m).sum() / n_tok
+            metrics["entropy"] = (mb.padded(entropy_from_logits(logits.detach())) * m).sum() / n_tok
             metrics["logprob_mean"] = (logprobs.detach() * m).sum() / n_tok
         acc.add(metrics, n_tok)
         return loss.detach().to(torch.float64)
@@ -469,6 +516,10 @@ class TorchTrainer:
         del loaded
         state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_train_state(state)
+
+    def _restore_train_state(self, state: dict[str, Any]) -> None:
+        """Scheduler, step and RNG state from a `_train_state()` dict."""
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         torch.set_rng_state(state["torch_rng"])

@@ -19,10 +19,8 @@ megatron's optimizer hard-codes CUDA tensors, so it cannot run on this CPU tier)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,24 +164,6 @@ class MegatronTrainer(TorchTrainer):
         return norm
 
     # ------------------------------------------------------------------ forward
-
-    def _micro_batches(self, samples: list[Any]) -> Iterator[_MicroBatch]:
-        for mb in super()._micro_batches(samples):
-            if self.device.type == "cpu":
-                yield mb
-            else:
-                yield _MicroBatch(*(t.to(self.device) for t in
-                                    (mb.ids, mb.attn, mb.mask, mb.sampling, mb.adv)))
-
-    def _forward_backward(self, mb: _MicroBatch, acc: Any, global_tokens: int,
-                          global_seqs: int) -> Tensor:
-        # the step's loss total is a CPU float64 (TorchTrainer.train_step)
-        return super()._forward_backward(mb, acc, global_tokens, global_seqs).cpu()
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.config.dtype == "bfloat16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _logits(self, model: Any, mb: _MicroBatch) -> Tensor:
         """Right-padded ids, causal attention (pads only follow real tokens, so they never

@@ -1,0 +1,84 @@
+"""Device selection for the torch engine and trainers (rl360.policies.devices): recipe
+num_gpus + dtype + the CUDA devices a process sees -> torch device and dtype; clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rl360.policies.devices import place_for_generation, select_device
+from rl360.policies.trainer_torch import TorchTrainer
+from rl360.recipe import EngineSection, ModelSection, TrainerSection
+from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
+from rl360.types import Batch, SamplingParams
+
+TRAINER = {"gpus_key": "trainer.num_gpus", "dtype_key": "trainer.dtype"}
+ENGINE = {"gpus_key": "engine.num_gpus", "dtype_key": "model.dtype"}
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_no_gpus_is_the_cpu_whatever_is_visible() -> None:
+    for visible in (0, 8):
+        p = select_device(0, "float32", cuda_devices=visible, **TRAINER)
+        assert p.device == torch.device("cpu") and p.dtype == torch.float32 and not p.cuda
+    assert select_device(0, "bfloat16", cuda_devices=0, **ENGINE).dtype == torch.bfloat16
+
+
+def test_reserved_gpu_is_cuda_0_in_the_asked_dtype() -> None:
+    # Ray narrows CUDA_VISIBLE_DEVICES to the reserved GPUs: the process's first is ours,
+    # also for a fractional share of one GPU
+    for num_gpus in (1, 0.25, 4):
+        p = select_device(num_gpus, "bfloat16", cuda_devices=4, **ENGINE)
+        assert p.device == torch.device("cuda", 0) and p.dtype == torch.bfloat16 and p.cuda
+
+
+def test_gpus_reserved_but_none_visible_names_the_key() -> None:
+    with pytest.raises(RuntimeError, match=r"trainer\.num_gpus = 1 .*no CUDA device"):
+        select_device(1, "float32", cuda_devices=0, **TRAINER)
+    with pytest.raises(ValueError, match=r"model\.dtype 'fp8'"):
+        select_device(0, "fp8", cuda_devices=0, **ENGINE)
+    with pytest.raises(ValueError, match=r"engine\.num_gpus must be >= 0"):
+        select_device(-1, "float32", cuda_devices=1, **ENGINE)
+
+
+def test_cpu_placement_only_casts(tiny_dir: Path) -> None:
+    lm = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    placed = place_for_generation(lm, select_device(0, "bfloat16", cuda_devices=0, **ENGINE))
+    assert placed is lm and next(lm.parameters()).dtype == torch.bfloat16
+    ids = torch.tensor([[1, 2, 3]])
+    assert placed(input_ids=ids).logits.shape[1] == 3  # no hooks: every position's logits
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a CPU-only host")
+def test_trainer_and_engine_refuse_gpus_they_cannot_see(tiny_dir: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"trainer\.num_gpus = 1"):
+        TorchTrainer(TrainerSection(num_gpus=1), tiny_dir)
+    with pytest.raises(RuntimeError, match=r"engine\.num_gpus = 0.5"):
+        load_causal_lm(str(tiny_dir), "float32", num_gpus=0.5)
+
+
+@no_cuda
+def test_engine_generates_on_the_gpu(tiny_dir: Path) -> None:
+    be = TorchBackend(EngineSection(num_gpus=1), ModelSection(path=str(tiny_dir), dtype="bfloat16"))
+    assert next(be.model.parameters()).device.type == "cuda"
+
+    async def run() -> list[int]:
+        gens = await asyncio.gather(*(be.generate([1, 2, 3 + i], SamplingParams(max_tokens=5))
+                                      for i in range(3)))
+        await be.close()
+        return [len(g.token_ids) for g in gens]
+
+    assert asyncio.run(run()) == [5, 5, 5]
+
+
+@no_cuda
+def test_trainer_steps_on_the_gpu(tiny_dir: Path, make_samples) -> None:  # type: ignore[no-untyped-def]
+    t = TorchTrainer(TrainerSection(num_gpus=1, dtype="bfloat16", lr=1e-3), tiny_dir)
+    assert next(t.model.parameters()).device.type == "cuda"
+    m = t.train_step(Batch(samples=make_samples(4, seed=1)))
+    assert m["skipped"] == 0.0 and m["step"] == 1.0
+    assert all(v.device.type == "cpu" for v in t.state_dict_for_sync().values())
