@@ -50,7 +50,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rl360.policies.trainer_torch import STATE_FILE, TorchTrainer, _Metrics, _MicroBatch
+from rl360.policies.trainer_torch import STATE_FILE, MicroBatch, StepMetrics, TorchTrainer
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 
@@ -135,7 +135,7 @@ class FSDPTrainer(TorchTrainer):
             yield pack
 
     def _pack(self, pack: list[TrainSample], proximal: dict[int, Tensor] | None,
-              index: dict[int, int] | None) -> _MicroBatch:
+              index: dict[int, int] | None) -> MicroBatch:
         lens = [len(s.tokens) for s in pack]
         width = max(lens)
         ids = torch.tensor([t for s in pack for t in s.tokens], dtype=torch.long).unsqueeze(0)
@@ -154,18 +154,18 @@ class FSDPTrainer(TorchTrainer):
             offset += n
         adv = torch.tensor([s.advantage for s in pack], dtype=torch.float32)
         old, rows = self._proximal_rows(pack, width, proximal, index)
-        return _MicroBatch(ids, None, mask, samp, adv, old, rows, positions,
+        return MicroBatch(ids, None, mask, samp, adv, old, rows, positions,
                            unpack).to(self.device)
 
-    def _empty(self) -> _MicroBatch:
+    def _empty(self) -> MicroBatch:
         """A 2-token micro-batch without loss tokens, for a rank that ran out of work."""
         z = torch.zeros((1, 1))
-        return _MicroBatch(torch.full((1, 2), self.pad_id, dtype=torch.long), None, z, z,
+        return MicroBatch(torch.full((1, 2), self.pad_id, dtype=torch.long), None, z, z,
                            torch.zeros(1), None, [], torch.arange(2).unsqueeze(0),
                            torch.zeros((1, 1), dtype=torch.long)).to(self.device)
 
     def _micro_batches(self, samples: list[TrainSample], proximal: dict[int, Tensor] | None = None,
-                       index: dict[int, int] | None = None) -> Iterator[_MicroBatch]:
+                       index: dict[int, int] | None = None) -> Iterator[MicroBatch]:
         """Packed micro-batches (`proximal`, `index`: as TorchTrainer's), then empty ones up
         to the most any rank has: every forward (also the proximal scoring pass) runs on all
         ranks."""
@@ -178,7 +178,7 @@ class FSDPTrainer(TorchTrainer):
             yield self._empty()
 
     def _forward_backward(
-        self, mb: _MicroBatch, acc: _Metrics, global_tokens: int, global_seqs: int
+        self, mb: MicroBatch, acc: StepMetrics, global_tokens: int, global_seqs: int
     ) -> Tensor:
         if float(mb.mask.sum()) > 0:
             return super()._forward_backward(mb, acc, global_tokens, global_seqs)

@@ -24,7 +24,6 @@ import contextlib
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validate_samples
 from rl360.policies.devices import Placement, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
@@ -43,94 +43,6 @@ STATE_FILE = "trainer_state.pt"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 _NOT_COPIED = {"config.json", "generation_config.json", STATE_FILE}
 _BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
-
-
-@dataclass
-class _MicroBatch:
-    """B sequences. The model sees `ids`: B right-padded rows, or (packed) one row of the
-    sequences back to back with per-sequence `positions`. Everything the loss reads is in the
-    padded [B, L-1] layout; `padded` brings per-target values of a packed row into it."""
-
-    ids: Tensor  # [B, L] right-padded, or [1, T] packed
-    attn: Tensor | None  # [B, L] padding mask (None when packed)
-    mask: Tensor  # [B, L-1] loss mask on targets ids[:, 1:]
-    sampling: Tensor  # [B, L-1]
-    adv: Tensor  # [B]
-    old: Tensor | None = None  # [B, L-1] proximal logprobs (None: the current ones, detached)
-    rows: list[int] = field(default_factory=list)  # the samples' indices in the batch
-    positions: Tensor | None = None  # [1, T]: position ids of a packed row
-    unpack: Tensor | None = None  # [B, L-1]: index of each target in the packed row's T-1
-
-    def padded(self, x: Tensor) -> Tensor:
-        """Per-target values [R, W-1] of what the model saw -> the padded [B, L-1] layout."""
-        return x if self.unpack is None else x[0][self.unpack]
-
-    def to(self, device: torch.device) -> _MicroBatch:
-        if device.type == "cpu":
-            return self
-        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
-
-
-class _Metrics:
-    """Token-weighted means (keys not ending in _max) and maxima over micro-batches/ranks."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-        self.maxes: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, Tensor | float], weight: float) -> None:
-        for k, v in metrics.items():
-            x = float(v)
-            if k.endswith("_max"):
-                self.maxes[k] = max(self.maxes.get(k, x), x)
-            else:
-                self.sums[k] = self.sums.get(k, 0.0) + x * weight
-                self.weights[k] = self.weights.get(k, 0.0) + weight
-
-    def all_reduce(self, group: Any = None) -> None:
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (self.sums, self.weights, self.maxes), group=group)
-        self.sums, self.weights, self.maxes = {}, {}, {}
-        for sums, weights, maxes in gathered:
-            for k, v in sums.items():
-                self.sums[k] = self.sums.get(k, 0.0) + v
-                self.weights[k] = self.weights.get(k, 0.0) + weights[k]
-            for k, v in maxes.items():
-                self.maxes[k] = max(self.maxes.get(k, v), v)
-
-    def result(self) -> dict[str, float]:
-        out = {k: s / self.weights[k] if self.weights[k] > 0 else 0.0 for k, s in self.sums.items()}
-        out.update(self.maxes)
-        return out
-
-
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    """`items` in `parts` contiguous, near-equal parts (fewer when there are fewer items)."""
-    parts = max(1, min(parts, len(items)))
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for k in range(parts):
-        end = start + size + (k < extra)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
-def _validate(samples: list[TrainSample], vocab: int) -> None:
-    for i, s in enumerate(samples):
-        n = len(s.tokens)
-        if n == 0 or len(s.mask) != n or len(s.sampling_logprobs) != n:
-            raise ValueError(f"sample {i}: tokens, mask and sampling_logprobs need one nonzero "
-                             f"length, got {n}, {len(s.mask)}, {len(s.sampling_logprobs)}")
-        if s.mask[0]:
-            raise ValueError(f"sample {i}: mask[0] is 1, but the first token has no prediction "
-                             "(the loss mask marks target tokens)")
-        lo, hi = min(s.tokens), max(s.tokens)
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"sample {i}: token id {lo if lo < 0 else hi} outside the "
-                             f"model's vocab [0, {vocab})")
 
 
 class TorchTrainer:
@@ -237,9 +149,9 @@ class TorchTrainer:
         over every data-parallel rank (computed here when not given)."""
         t0 = time.perf_counter()
         samples = batch.samples
-        _validate(samples, self.vocab)
+        validate_samples(samples, self.vocab)
         local_tokens, local_seqs = global_denominators(s.mask for s in samples)
-        parts = _split(list(range(len(samples))), self.config.minibatches)
+        parts = split_even(list(range(len(samples))), self.config.minibatches)
         counts = torch.tensor([list(global_denominators(samples[i].mask for i in part))
                                for part in parts], dtype=torch.long)
         if len(parts) == 1 and global_tokens is not None and global_seqs is not None:
@@ -248,7 +160,7 @@ class TorchTrainer:
             dist.all_reduce(counts, group=self.dp_group)
         proximal = (self._proximal_logprobs(samples)
                     if len(parts) * self.config.epochs > 1 else None)
-        acc = _Metrics()
+        acc = StepMetrics()
         losses: list[float] = []
         norms: list[float] = []
         skipped = 0
@@ -274,7 +186,7 @@ class TorchTrainer:
         return metrics
 
     def _optimizer_step(self, samples: list[TrainSample], part: list[int],
-                        proximal: dict[int, Tensor] | None, acc: _Metrics,
+                        proximal: dict[int, Tensor] | None, acc: StepMetrics,
                         global_tokens: int, global_seqs: int) -> tuple[float, float, bool]:
         """Forward/backward over the samples `part` (micro-batched; denominators of the whole
         part over every rank), gradients summed over ranks, clipped, one AdamW step.
@@ -340,7 +252,7 @@ class TorchTrainer:
             yield chunk
 
     def _micro_batches(self, samples: list[TrainSample], proximal: dict[int, Tensor] | None = None,
-                       index: dict[int, int] | None = None) -> Iterator[_MicroBatch]:
+                       index: dict[int, int] | None = None) -> Iterator[MicroBatch]:
         """Right-padded micro-batches; `proximal` (sample index -> target logprobs, looked up
         through `index`: id(sample) -> index) fills `old` when the batch takes several steps."""
         for chunk in self._chunks(samples):
@@ -357,7 +269,7 @@ class TorchTrainer:
                 mask[r, :n] = torch.tensor(s.mask, dtype=torch.float32)
                 samp[r, :n] = torch.tensor(s.sampling_logprobs, dtype=torch.float32)
             adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-            yield _MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows).to(self.device)
+            yield MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows).to(self.device)
 
     @staticmethod
     def _proximal_rows(chunk: list[TrainSample], width: int, proximal: dict[int, Tensor] | None,
@@ -377,7 +289,7 @@ class TorchTrainer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logits(self, model: Any, mb: _MicroBatch) -> Tensor:
+    def _logits(self, model: Any, mb: MicroBatch) -> Tensor:
         """Logits of every position but the last, as the model saw them ([R, W-1, V])."""
         with self._autocast():
             if mb.positions is not None:  # packed: no mask, positions restart per sequence
@@ -393,7 +305,7 @@ class TorchTrainer:
         return logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
     def _forward_backward(
-        self, mb: _MicroBatch, acc: _Metrics, global_tokens: int, global_seqs: int
+        self, mb: MicroBatch, acc: StepMetrics, global_tokens: int, global_seqs: int
     ) -> Tensor:
         n_tok = float(mb.mask.sum())
         if n_tok == 0:
@@ -419,7 +331,7 @@ class TorchTrainer:
         acc.add(metrics, n_tok)
         return loss.detach().to(torch.float64)
 
-    def _add_batch_metrics(self, batch: Batch, acc: _Metrics) -> None:
+    def _add_batch_metrics(self, batch: Batch, acc: StepMetrics) -> None:
         """advantage/reward/staleness means over loss tokens; staleness max."""
         for s in batch.samples:
             n = float(sum(s.mask))

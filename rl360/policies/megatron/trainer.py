@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rl360.policies.batching import MicroBatch
 from rl360.policies.megatron.convert import GPTShape, mcore_to_hf, shape_from_hf
 from rl360.policies.megatron.model import (
     ParallelConfig,
@@ -44,7 +45,6 @@ from rl360.policies.trainer_torch import (
     STATE_FILE,
     TorchTrainer,
     _as_tuple,
-    _MicroBatch,
 )
 from rl360.recipe import TrainerSection
 
@@ -165,7 +165,7 @@ class MegatronTrainer(TorchTrainer):
 
     # ------------------------------------------------------------------ forward
 
-    def _logits(self, model: Any, mb: _MicroBatch) -> Tensor:
+    def _logits(self, model: Any, mb: MicroBatch) -> Tensor:
         """Right-padded ids, causal attention (pads only follow real tokens, so they never
         change a real token's logits; their own positions are masked out of the loss)."""
         b, n = mb.ids.shape
