@@ -39,6 +39,11 @@ class Group:
     base32: torch.Tensor
     taus: list[torch.Tensor]
     gates: list[torch.Tensor] | None = None
+    zeros: int = 0  # entries left out because every task vector is 0 there (sparse loading)
+
+    @property
+    def numel(self) -> int:
+        return self.taus[0].numel() + self.zeros
 
 
 def add_partials(a: Any, b: Any) -> Any:
@@ -53,6 +58,9 @@ class Method:
     name: ClassVar[str]
     fp32_default: ClassVar[bool] = False  # a bf16 save would erase this method's updates
     uses_gates: ClassVar[bool] = False
+    # elementwise given per-tensor constants, and all-zero task vectors merge to a zero delta:
+    # the runner may hand it only the entries some expert changed (rl360/merge/sparse.py)
+    sparse: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         self.cfg = cfg
@@ -137,12 +145,25 @@ class Ties(Method):
 
     def collect(self, p: int, g: Group) -> Any:
         if p == 0:
-            return self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
+            return self._coarse(g)
         if p == 1:
-            return self.over_chunks(g, lambda taus, _c: [
-                kth.fine_hist(t, b[0]) if b else np.zeros(kth.BINS, np.int64)
-                for t, b in zip(taus, self.bins, strict=True)])  # fmt: skip
+            return self._fine(g, [b[0] if b else None for b in self.bins])
         return self.over_chunks(g, lambda taus, _c: self._sign_sum(taus))
+
+    def _coarse(self, g: Group) -> list[np.ndarray]:
+        hists = self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
+        for h in hists:
+            h[0] += g.zeros  # |0| has the all-zero bit pattern
+        return hists
+
+    def _fine(self, g: Group, his: list[int | None]) -> list[np.ndarray]:
+        hists = self.over_chunks(g, lambda taus, _c: [
+            kth.fine_hist(t, hi) if hi is not None else np.zeros(kth.BINS, np.int64)
+            for t, hi in zip(taus, his, strict=True)])  # fmt: skip
+        for h, hi in zip(hists, his, strict=True):
+            if hi == 0:
+                h[0] += g.zeros
+        return hists
 
     def _sign_sum(self, taus: list[torch.Tensor]) -> int:
         import torch
@@ -166,16 +187,14 @@ class Ties(Method):
             self.zero_sign = float(np.sign(total))
 
     def tensor_thresholds(self, g: Group) -> list[float]:
-        numel = g.taus[0].numel()
+        numel = g.numel
         rank = kth.topk_rank(numel, self.cfg.density)
         if rank < 1:
             return [0.0] * self.n
         if rank > numel:
             return [float("inf")] * self.n
-        coarse = self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
-        bins = [kth.locate(h, rank) for h in coarse]
-        fine = self.over_chunks(g, lambda taus, _c: [
-            kth.fine_hist(t, b[0]) for t, b in zip(taus, bins, strict=True)])  # fmt: skip
+        bins = [kth.locate(h, rank) for h in self._coarse(g)]
+        fine = self._fine(g, [b[0] for b in bins])
         return [kth.value(b[0], kth.locate(h, b[1])[0]) for h, b in zip(fine, bins, strict=True)]
 
     def merge(self, g: Group) -> Parts:
@@ -198,6 +217,7 @@ class DareLinear(Method):
     1/density (paper), mergekit's L1 ratio, or not at all; then task arithmetic."""
 
     name = "dare_linear"
+    sparse = False  # the keep masks are drawn per chunk of the whole tensor
 
     def keep(self, name: str, expert: int, chunk: int, n: int) -> torch.Tensor:
         import torch
@@ -340,6 +360,7 @@ class IsoC(Method):
     (embeddings, lm_head) get alpha * mean(w_i tau_i)."""
 
     name = "iso_c"
+    sparse = False  # an SVD of the whole matrix
 
     def merge(self, g: Group) -> Parts:
         if len(g.shape) == 2 and not any(p in g.name for p in self.cfg.average):
