@@ -27,12 +27,13 @@ import numpy as np
 
 from rl360.merge import io
 from rl360.merge.strategies import Group, Method, Parts
+from rl360.merge.tensors import merged_pieces
 
 if TYPE_CHECKING:
     import torch
 
     from rl360.merge.report import Stats
-    from rl360.merge.shards import Entry, Pool
+    from rl360.merge.tensors import Entry, Pool
 
 BITS = {2: np.uint16, 4: np.uint32}  # compare float bit patterns as unsigned ints
 SIGN = {2: 0x8000, 4: 0x80000000}  # the pattern of -0
@@ -138,8 +139,6 @@ def output(entry: Entry, loaded: Loaded, parts: Parts, z: float, snap: bool,
     import math
 
     import torch
-
-    from rl360.merge.shards import merged_pieces
 
     out.copy_(loaded.base_raw)
     size = out.element_size()
