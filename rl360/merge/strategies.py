@@ -88,6 +88,10 @@ class Method:
     def merge(self, g: Group) -> Parts:
         raise NotImplementedError
 
+    def rerun(self, counts: list[int]) -> bool:
+        """Given the merge pass's Stats.method_counts: run the merge pass again?"""
+        return False
+
     # --- helpers -----------------------------------------------------------------------
     def slices(self, numel: int) -> list[slice]:
         return [slice(s, min(s + self.chunk, numel)) for s in range(0, max(numel, 1), self.chunk)]
@@ -130,25 +134,27 @@ class TaskArithmetic(Method):
 
 class Ties(Method):
     """TIES. scope "model": the paper's trim over the whole flattened model (exact k-th value
-    by a two-pass radix select) and majority-sign fallback (a third pass); scope "tensor":
-    mergekit's per-tensor top-k (ties at the cut-off are all kept) with zero sum counted +."""
+    by a radix select: a coarse pass, and a fine one only when the coarse bin holding the cut
+    holds several values) and majority-sign fallback: the merge pass assumes +, counts the
+    signs and the entries where the fallback applies, and is run again in the rare case that
+    some exist and the majority is not +. scope "tensor": mergekit's per-tensor top-k (ties at
+    the cut-off are all kept) with zero sum counted +."""
 
     name = "ties"
 
     def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         super().__init__(cfg, weights, chunk)
         self.model_scope = cfg.scope == "model"
-        self.passes = 3 if self.model_scope else 0
+        self.passes = 1 if self.model_scope else 0
         self.bins: list[tuple[int, int] | None] = []
         self.thresholds: list[float] = []
         self.zero_sign = 1.0
 
     def collect(self, p: int, g: Group) -> Any:
         if p == 0:
-            return self._coarse(g)
-        if p == 1:
-            return self._fine(g, [b[0] if b else None for b in self.bins])
-        return self.over_chunks(g, lambda taus, _c: self._sign_sum(taus))
+            inexact = self.over_chunks(g, lambda taus, _c: [kth.inexact_hist(t) for t in taus])
+            return self._coarse(g), inexact
+        return self._fine(g, [b[0] if b else None for b in self.bins])
 
     def _coarse(self, g: Group) -> list[np.ndarray]:
         hists = self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
@@ -165,26 +171,32 @@ class Ties(Method):
                 h[0] += g.zeros
         return hists
 
-    def _sign_sum(self, taus: list[torch.Tensor]) -> int:
-        import torch
-
-        total = torch.zeros_like(taus[0])
-        for t, w, thr in zip(taus, self.weights, self.thresholds, strict=True):
-            total.add_(K.trim(t, thr), alpha=w)
-        return int(torch.sign(total).sum())
-
     def finish(self, p: int, total: Any) -> None:
         if p == 0:
-            d = int(total[0].sum())
+            coarse, inexact = total
+            d = int(coarse[0].sum())
             rank = kth.paper_rank(d, self.cfg.density)
-            self.bins = [kth.locate(h, rank) if rank >= 1 else None for h in total]
+            bins = [kth.locate(h, rank) if rank >= 1 else None for h in coarse]
+            # a bin without inexact entries holds the one value (hi << 16): exact already
+            self.thresholds = [kth.value(b[0], 0) if b else 0.0 for b in bins]
+            self.bins = [b if b and x[b[0]] else None for b, x in zip(bins, inexact, strict=True)]
+            self.passes = 2 if any(self.bins) else 1
         elif p == 1:
-            self.thresholds = [
-                kth.value(b[0], kth.locate(h, b[1])[0]) if b else 0.0
-                for h, b in zip(total, self.bins, strict=True)
-            ]
-        else:
-            self.zero_sign = float(np.sign(total))
+            for i, (h, b) in enumerate(zip(total, self.bins, strict=True)):
+                if b:
+                    self.thresholds[i] = kth.value(b[0], kth.locate(h, b[1])[0])
+
+    def rerun(self, counts: list[int]) -> bool:
+        """After a model-scope merge pass run with the + fallback: if entries needed the
+        fallback and the model's majority sign is not +, set it and ask for the pass again."""
+        if not self.model_scope or not counts:
+            return False
+        sign_sum, fallback = counts
+        sign = float(np.sign(sign_sum))
+        if fallback and sign != self.zero_sign:
+            self.zero_sign = sign
+            return True
+        return False
 
     def tensor_thresholds(self, g: Group) -> list[float]:
         numel = g.numel
@@ -201,8 +213,19 @@ class Ties(Method):
         thr = self.thresholds if self.model_scope else self.tensor_thresholds(g)
 
         def kernel(taus: list[torch.Tensor], _m: Any, _c: int) -> K.Merged:
+            import torch
+
             trimmed = [K.trim(t, x) for t, x in zip(taus, thr, strict=True)]
-            return K.ties_consensus(trimmed, self.weights, self.cfg.lam, True, self.zero_sign)
+            merged = K.ties_consensus(trimmed, self.weights, self.cfg.lam, True, self.zero_sign)
+            if not self.model_scope:
+                return merged
+            total = torch.zeros_like(trimmed[0])
+            anyone = torch.zeros(total.shape, dtype=torch.bool)
+            for t, w in zip(trimmed, self.weights, strict=True):
+                total.add_(t, alpha=w)
+                anyone |= t != 0
+            fallback = int((anyone & (total == 0)).sum())
+            return merged._replace(counts=(int(torch.sign(total).sum()), fallback))
 
         return self.chunked(g, kernel)
 

@@ -69,6 +69,9 @@ def merged_pieces(
     base = base32.reshape(-1)
     for sl, merged in parts:
         st.mass = [a + b for a, b in zip(st.mass, merged.mass, strict=True)]
+        if merged.counts:
+            mine = st.method_counts or [0] * len(merged.counts)
+            st.method_counts = [a + b for a, b in zip(mine, merged.counts, strict=True)]
         delta = merged.delta.reshape(-1)
         for s in range(0, delta.numel(), chunk):  # an Iso part is a whole matrix
             bc, dc = base[sl][s : s + chunk], delta[s : s + chunk]
