@@ -10,8 +10,9 @@ temp dir. Each of `--runs` rounds times (1) the baseline: `safetensors.safe_open
 .get_tensor` of every tensor of every checkpoint; (2) `rl360.merge` with RAM (fp32 output,
 one pass), task arithmetic (bf16 output) and TIES (paper scope: 3 statistics passes + the
 merge, bf16 output). MB/s is input checkpoint bytes over wall time, files warm in the page
-cache; a ratio is ours over the baseline of the same round; figures are the median and the
-spread (min-max) of the rounds. With --vs-mergekit, mergekit (0.1.5, run as an external
+cache; a ratio is ours over the baseline of the same round, by wall time and by CPU time (user
++ system of all threads, which a loaded shared box disturbs less); figures are the median and
+the spread (min-max) of the rounds. With --vs-mergekit, mergekit (0.1.5, run as an external
 program from its own venv: `make bench-mergekit`) does linear / task_arithmetic / ties / ram
 on the same checkpoints (fp32 compute, fp32 output on both sides so rounding to bf16 cannot
 hide a difference) and the bench prints both wall times and the max abs difference of the
@@ -135,23 +136,30 @@ def read_all(paths: list[Path]) -> None:
                     h.get_tensor(k).clone()  # get_tensor may map the file lazily: copy it in
 
 
+def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
+    """CPU seconds (user + system, all threads) used so far: on a shared box this moves far
+    less with the load than wall time does."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})"
 
 
 def timed_merge(
     inputs: list[Path], cfg: object, out: Path, dtype: str = "auto"
-) -> tuple[float, object, int]:
+) -> tuple[float, float, int]:
     from rl360.merge import recipe as R
     from rl360.merge.runner import merge_checkpoints
 
     experts = [R.Expert(path=str(p)) for p in inputs[1:]]
     output = R.Output(dir=str(out), max_shard_size="200MB", dtype=dtype, overwrite=True)
     with Peak() as peak:
-        t = time.perf_counter()
-        summary = merge_checkpoints(inputs[0], experts, cfg, output, R.Run(progress=False))
-        secs = time.perf_counter() - t
-    return secs, summary, peak.growth
+        t, c = time.perf_counter(), cpu_s()
+        merge_checkpoints(inputs[0], experts, cfg, output, R.Run(progress=False))
+        secs, cpu = time.perf_counter() - t, cpu_s() - c
+    return secs, cpu, peak.growth
 
 
 # mergekit method -> (its YAML method and per-model parameters, our equivalent recipe table)
@@ -216,26 +224,31 @@ def vs_mergekit(exe: Path, inputs: list[Path], tmp: Path, runs: int) -> dict:
         cfg_path = tmp / f"mergekit-{name}.yml"
         cfg_path.write_text(mergekit_yaml(name, inputs))
         mk_out, our_out = tmp / f"mk-{name}", tmp / f"ours-{name}"
-        mk_s, our_s = [], []
+        mk_s, our_s, mk_cpu, our_cpu = [], [], [], []
         for _ in range(runs):
             shutil.rmtree(mk_out, ignore_errors=True)
             cmd = [str(exe), str(cfg_path), str(mk_out), "--quiet", "--no-copy-tokenizer",
                    "--no-write-model-card", "--out-shard-size", "100M"]  # fmt: skip
-            t = time.perf_counter()
+            t, c = time.perf_counter(), cpu_s(resource.RUSAGE_CHILDREN)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
             mk_s.append(time.perf_counter() - t)
+            mk_cpu.append(cpu_s(resource.RUSAGE_CHILDREN) - c)
             if proc.returncode != 0:
                 raise SystemExit(f"mergekit {name} failed:\n{proc.stderr[-3000:]}")
-            secs, _, _ = timed_merge(inputs, ours_like_mergekit(name), our_out, "float32")
+            secs, cpu, _ = timed_merge(inputs, ours_like_mergekit(name), our_out, "float32")
             our_s.append(secs)
+            our_cpu.append(cpu)
         diff = max_abs_diff(our_out, mk_out)
         rows[name] = {"ours_s": round(statistics.median(our_s), 2),
                       "mergekit_s": round(statistics.median(mk_s), 2),
                       "speedup": round(statistics.median(mk_s) / statistics.median(our_s), 2),
+            "ours_cpu_s": round(statistics.median(our_cpu), 2),
+            "mergekit_cpu_s": round(statistics.median(mk_cpu), 2),
                       "max_abs_diff": diff}  # fmt: skip
         print(f"vs mergekit {name}: ours {statistics.median(our_s):.2f}s "
               f"({min(our_s):.2f}-{max(our_s):.2f}), mergekit {statistics.median(mk_s):.2f}s "
-              f"({min(mk_s):.2f}-{max(mk_s):.2f}), speedup x{rows[name]['speedup']}, "
+              f"({min(mk_s):.2f}-{max(mk_s):.2f}), speedup x{rows[name]['speedup']}; CPU "
+              f"{statistics.median(our_cpu):.1f} vs {statistics.median(mk_cpu):.1f} s, "
               f"max |ours - mergekit| = {diff:.3g}")  # fmt: skip
         shutil.rmtree(mk_out, ignore_errors=True)
         shutil.rmtree(our_out, ignore_errors=True)
@@ -298,23 +311,27 @@ def main() -> None:
         base_mbs: list[float] = []
         mbs: dict[str, list[float]] = {m: [] for m in methods}
         ratios: dict[str, list[float]] = {m: [] for m in methods}
+        cpu_ratios: dict[str, list[float]] = {m: [] for m in methods}
         growth: dict[str, int] = {}
         for _ in range(args.runs):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), cpu_s()
             read_all(inputs)
             baseline = total / 1e6 / (time.perf_counter() - t)
+            base_cpu = cpu_s() - c
             base_mbs.append(baseline)
             for name, cfg in methods.items():
-                secs, _, grew = timed_merge(inputs, cfg, tmp / f"out-{name}")
+                secs, cpu, grew = timed_merge(inputs, cfg, tmp / f"out-{name}")
                 mbs[name].append(total / 1e6 / secs)
                 ratios[name].append(total / 1e6 / secs / baseline)
+                cpu_ratios[name].append(base_cpu / cpu)
                 growth[name] = max(growth.get(name, 0), grew)
                 shutil.rmtree(tmp / f"out-{name}")
         print(f"baseline (safe_open read only): {spread(base_mbs)} MB/s")
         for name in methods:
-            r = ratios[name]
+            r, rc = ratios[name], cpu_ratios[name]
             print(f"{name}: {spread(mbs[name])} MB/s, ratio {statistics.median(r):.2f} "
-                  f"({min(r):.2f}-{max(r):.2f}), peak RSS +{growth[name] / 1e6:.0f} MB")  # fmt: skip
+                  f"({min(r):.2f}-{max(r):.2f}); CPU-time ratio {statistics.median(rc):.2f} "
+                  f"({min(rc):.2f}-{max(rc):.2f}); peak RSS +{growth[name] / 1e6:.0f} MB")  # fmt: skip
         print(f"load after: {Path('/proc/loadavg').read_text().strip()}")
         mk = vs_mergekit(args.mergekit, inputs, tmp, args.runs) if args.vs_mergekit else None
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -325,6 +342,7 @@ def main() -> None:
             "ratio": round(statistics.median(ratios["ram"]), 3), "method": "ram",
             "ratios": {m: round(statistics.median(v), 3) for m, v in ratios.items()},
             "ratio_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in ratios.items()},
+            "cpu_ratios": {m: round(statistics.median(v), 3) for m, v in cpu_ratios.items()},
             "mb_s": {m: round(v, 1) for m, v in med.items()}, "runs": args.runs,
             "threads": args.threads, "input_mb": round(total / 1e6),
             "peak_rss_mb": round(rss / 1e6),
