@@ -18,6 +18,7 @@ gathered entries (4 bytes x (N + 1) each), below the dense path's (N + 2) fp32 c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,14 +27,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rl360.merge import io
+from rl360.merge.report import Stats
 from rl360.merge.strategies import Group, Method, Parts
-from rl360.merge.tensors import merged_pieces
+from rl360.merge.tensors import Entry, Pool, merged_pieces
 
 if TYPE_CHECKING:
     import torch
-
-    from rl360.merge.report import Stats
-    from rl360.merge.tensors import Entry, Pool
 
 BITS = {2: np.uint16, 4: np.uint32}  # compare float bit patterns as unsigned ints
 SIGN = {2: 0x8000, 4: 0x80000000}  # the pattern of -0
@@ -136,8 +135,6 @@ def output(entry: Entry, loaded: Loaded, parts: Parts, z: float, snap: bool,
            out: torch.Tensor, stats: Stats) -> torch.Tensor:  # fmt: skip
     """The whole output tensor (flat, in `out`): the base's values, -0 made +0 when z is +0,
     with theta_0 + delta of the merged entries scattered in; counts go to `stats`."""
-    import math
-
     import torch
 
     out.copy_(loaded.base_raw)
