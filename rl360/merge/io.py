@@ -134,18 +134,24 @@ class Checkpoint:
                 return value
             return out[: info.nbytes].view(value.dtype).view(value.shape).copy_(value)
         buf = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out[: info.nbytes]
+        self.read_bytes(name, 0, buf.numpy())
+        return buf.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def read_bytes(self, name: str, start: int, out: Any) -> None:
+        """Bytes [start, start + len(out)) of tensor `name`'s data into the writable buffer
+        `out` (pread: releases the GIL, so a reader thread overlaps it with compute)."""
+        info = self.infos[name]
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(self.path / info.file, os.O_RDONLY)
-        view, done = memoryview(buf.numpy()), 0
-        while done < info.nbytes:
-            got = os.preadv(fd, [view[done:]], info.offset + done)
+        view, done = memoryview(out).cast("B"), 0
+        while done < view.nbytes:
+            got = os.preadv(fd, [view[done:]], info.offset + start + done)
             if got <= 0:
                 raise MergeError(
                     f"{self.label} {self.path / info.file}: truncated at tensor {name}"
                 )
             done += got
-        return buf.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def _safe_open(self, file: str) -> Any:
         from safetensors import safe_open

@@ -32,6 +32,17 @@ def coarse_hist(x: torch.Tensor) -> np.ndarray:
     return torch.bincount(hi, minlength=BINS).numpy()
 
 
+def inexact_hist(x: torch.Tensor) -> np.ndarray:
+    """Counts by the high 16 bits of |x| of the entries whose low 16 bits are not all 0. A
+    coarse bin with none holds one value only, so a k-th value found in it is exact without
+    the fine pass (the usual case for bf16 experts: their task vectors have few bits)."""
+    import torch
+
+    bits = _abs_bits(x)
+    hi = torch.bitwise_right_shift(bits, 16)[(bits & 0xFFFF) != 0]
+    return torch.bincount(hi, minlength=BINS).numpy()
+
+
 def fine_hist(x: torch.Tensor, hi: int) -> np.ndarray:
     """Counts of the low 16 bits of |x| among entries whose high 16 bits equal `hi`."""
     import torch

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 class Merged(NamedTuple):
     delta: torch.Tensor
     mass: list[float]
+    counts: tuple[int, ...] = ()  # a method's own additive counts (Stats.method_counts)
 
 
 def _l1(t: torch.Tensor) -> float:

@@ -20,11 +20,13 @@ class Stats:
     snapped: int = 0  # absorbed entries moved one step (ulp_gate policy "snap")
     bf16_elements: int = 0  # elements saved in bf16 / fp16
     mass: list[float] = field(default_factory=list)  # per expert, L1 of its contribution
+    method_counts: list[int] = field(default_factory=list)  # a method's own (TIES: signs)
 
     def add(self, other: Stats) -> None:
         for k, v in asdict(other).items():
-            if k == "mass":
-                self.mass = [a + b for a, b in zip(self.mass or [0.0] * len(v), v, strict=True)]
+            if isinstance(v, list):
+                mine = getattr(self, k) or [0] * len(v)
+                setattr(self, k, [a + b for a, b in zip(mine, v or [0] * len(mine), strict=True)])
             else:
                 setattr(self, k, getattr(self, k) + v)
 

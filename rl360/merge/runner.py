@@ -69,7 +69,9 @@ def execute(job: Job, method: Method, use_ray: bool = False, progress: bool = Tr
         total=n * (method.passes + 1), unit="tensor", disable=not progress, dynamic_ncols=True
     )
     with bar:
-        for p in range(method.passes):
+        p = 0
+        while p < method.passes:  # a method may decide after a pass that it needs another
+            bar.total = n * (method.passes + 1)
             bar.set_description(f"{method.name} stats {p + 1}/{method.passes}")
             acc: list[Any] = [None]
 
@@ -83,16 +85,21 @@ def execute(job: Job, method: Method, use_ray: bool = False, progress: bool = Tr
                 for a in args:
                     reduce(collect_shard(job, method, *a, tick=bar.update))
             method.finish(p, acc[0])
-        bar.set_description(f"{method.name} merge")
-        args = [(i,) for i in range(len(job.shards))]
-        if use_ray:
-            results = _ray_map(merge_shard, job, method, args, bar)
-        else:
-            results = [merge_shard(job, method, *a, tick=bar.update) for a in args]
-    stats = Stats(mass=[0.0] * len(job.experts))
-    for st in results:
-        stats.add(st)
-    return stats
+            p += 1
+        while True:
+            bar.set_description(f"{method.name} merge")
+            args = [(i,) for i in range(len(job.shards))]
+            if use_ray:
+                results = _ray_map(merge_shard, job, method, args, bar)
+            else:
+                results = [merge_shard(job, method, *a, tick=bar.update) for a in args]
+            stats = Stats(mass=[0.0] * len(job.experts))
+            for st in results:
+                stats.add(st)
+            if not method.rerun(stats.method_counts):
+                return stats
+            method.passes += 1  # counted in the summary's passes and bytes read
+            bar.total += n
 
 
 def _execute_with_ray(job: Job, method: Method, progress: bool) -> Stats:

@@ -9,28 +9,22 @@ tensor, whatever the model size (tests/merge/test_merge_memory.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rl360.merge import io, ulp
+from rl360.merge import io, sparse
 from rl360.merge.errors import MergeError
 from rl360.merge.report import Stats
 from rl360.merge.strategies import Group, Method, Parts, add_partials
+from rl360.merge.tensors import Entry, Pool, finish_stats, merged_pieces, tensor_stats
 
 if TYPE_CHECKING:
     import torch
 
 Tick = Callable[[int], None] | None
-
-
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    shape: tuple[int, ...]
-    out_dtype: str
-    is_float: bool
 
 
 @dataclass
@@ -103,30 +97,6 @@ def plan(
     return shards, read
 
 
-class Pool:
-    """Named buffers reused from tensor to tensor: without them every tensor of the model
-    would get fresh pages from the OS for its base, task vectors and reads (page faults are
-    a large share of a merge's time). Each buffer grows to the largest tensor it has held."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def bytes(self, key: str, nbytes: int) -> torch.Tensor:
-        import torch
-
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < nbytes:
-            self._bufs.pop(key, None)
-            buf = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
-        return buf[:nbytes]
-
-    def tensor(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
-        return self.bytes(key, n).view(dtype).view(shape)
-
-
 def _read32(
     ck: io.Checkpoint, entry: Entry, pool: Pool, key: str, raw_key: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,39 +150,10 @@ def copy_checked(
 def write_merged(
     writer: io.ShardWriter, entry: Entry, g: Group, parts: Parts, snap: bool, chunk: int
 ) -> Stats:
-    """Write theta_0 + delta, part by part, in the output dtype, counting changed and
-    absorbed entries (and snapping absorbed ones one step under the "snap" policy)."""
-
-
-    dtype = io.torch_dtype(entry.out_dtype)
-    st = Stats(tensors=1, elements=g.base32.numel(), mass=[0.0] * len(g.taus))
-    st.bf16_elements = st.elements if entry.out_dtype in ("BF16", "F16") else 0
-    base = g.base32.reshape(-1)
-
-    def pieces() -> Iterator[torch.Tensor]:
-        for sl, merged in parts:
-            st.mass = [a + b for a, b in zip(st.mass, merged.mass, strict=True)]
-            delta = merged.delta.reshape(-1)
-            for s in range(0, delta.numel(), chunk):  # an Iso part is a whole matrix
-                bc, dc = base[sl][s : s + chunk], delta[s : s + chunk]
-                full = bc + dc
-                oc, start = full.to(dtype), bc.to(dtype)
-                nz = dc != 0
-                lost = nz & (oc == start)
-                st.nonzero += int(nz.sum())
-                st.absorbed += int(lost.sum())
-                if entry.out_dtype != "BF16":
-                    st.absorbed_bf16 += int((nz & (full.bfloat16() == bc.bfloat16())).sum())
-                if snap and bool(lost.any()):
-                    oc = ulp.snap(oc, bc, dc, lost)
-                    st.snapped += int(lost.sum())
-                st.changed += int((oc != start).sum())
-                yield oc
-
-    writer.write_parts(entry.name, pieces())
-    if entry.out_dtype == "BF16":
-        st.absorbed_bf16 = st.absorbed
-    return st
+    """Write theta_0 + delta, part by part, in the output dtype, with its counts."""
+    st = tensor_stats(entry, g.base32.numel(), len(g.taus))
+    writer.write_parts(entry.name, merged_pieces(st, entry.out_dtype, g.base32, parts, snap, chunk))
+    return finish_stats(entry, st)
 
 
 def _threads(job: Job) -> None:
@@ -228,14 +169,19 @@ def collect_shard(job: Job, method: Method, p: int, idx: int, tick: Tick = None)
     base, experts = job.open()
     total = None
     pool = Pool()
+    reader = ThreadPoolExecutor(1, thread_name_prefix="merge-read")
     try:
         for entry in job.shards[idx]:
-            if entry.is_float:
+            if sparse.can_load(method, job.reader, entry, base, experts):
+                g = sparse.load(entry, base, experts, method, pool, reader).group
+                total = add_partials(total, method.collect(p, g))
+            elif entry.is_float:
                 g = load_group(entry, base, experts, method, pool)
                 total = add_partials(total, method.collect(p, g))
             if tick:
                 tick(1)
     finally:
+        reader.shutdown()
         base.close()
         for ck in experts:
             ck.close()
@@ -243,7 +189,9 @@ def collect_shard(job: Job, method: Method, p: int, idx: int, tick: Tick = None)
 
 
 def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
-    """Merge and write output shard `idx`."""
+    """Merge and write output shard `idx`. A sparse-loaded tensor is written by a writer
+    thread while the next one is read, compared and merged (one output buffer: only the
+    scatter into it waits for the previous write)."""
     _threads(job)
     base, experts = job.open()
     entries = job.shards[idx]
@@ -253,24 +201,52 @@ def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
     )
     stats = Stats(mass=[0.0] * len(experts))
     pool = Pool()
+    busy: list[Future[None] | None] = [None]
+    reader = ThreadPoolExecutor(1, thread_name_prefix="merge-read")
+    writes = ThreadPoolExecutor(1, thread_name_prefix="merge-write")
+
+    def drain() -> None:
+        for i, f in enumerate(busy):
+            if f is not None:
+                busy[i] = None
+                f.result()
+
     try:
         for entry in entries:
-            if entry.is_float:
+            if sparse.can_load(method, job.reader, entry, base, experts):
+                loaded = sparse.load(entry, base, experts, method, pool, reader)
+                numel = loaded.base_raw.numel()
+                st = tensor_stats(entry, numel, len(experts))
+                drain()  # the output buffer is free again
+                out = pool.tensor("out", (numel,), io.torch_dtype(entry.out_dtype))
+                z = sparse.zero_delta(method, entry.name)
+                sparse.output(entry, loaded, method.merge(loaded.group), z, method.snap, out, st)
+                stats.add(finish_stats(entry, st))
+                busy[0] = writes.submit(writer.write_parts, entry.name, [out])
+            elif entry.is_float:
                 g = load_group(entry, base, experts, method, pool)
+                drain()
                 stats.add(
                     write_merged(writer, entry, g, method.merge(g), method.snap, method.chunk)
                 )
             else:
-                writer.write(entry.name, copy_checked(entry, base, experts))
+                value = copy_checked(entry, base, experts)
+                drain()
+                writer.write(entry.name, value)
                 stats.copied += 1
             if tick:
                 tick(1)
+        drain()
     except BaseException:
+        reader.shutdown(cancel_futures=True)
+        writes.shutdown(cancel_futures=True)
         writer.abort()
         raise
     else:
         writer.close()
     finally:
+        reader.shutdown()
+        writes.shutdown()
         base.close()
         for ck in experts:
             ck.close()

@@ -39,6 +39,11 @@ class Group:
     base32: torch.Tensor
     taus: list[torch.Tensor]
     gates: list[torch.Tensor] | None = None
+    zeros: int = 0  # entries left out because every task vector is 0 there (sparse loading)
+
+    @property
+    def numel(self) -> int:
+        return self.taus[0].numel() + self.zeros
 
 
 def add_partials(a: Any, b: Any) -> Any:
@@ -53,6 +58,9 @@ class Method:
     name: ClassVar[str]
     fp32_default: ClassVar[bool] = False  # a bf16 save would erase this method's updates
     uses_gates: ClassVar[bool] = False
+    # elementwise given per-tensor constants, and all-zero task vectors merge to a zero delta:
+    # the runner may hand it only the entries some expert changed (rl360/merge/sparse.py)
+    sparse: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         self.cfg = cfg
@@ -79,6 +87,10 @@ class Method:
 
     def merge(self, g: Group) -> Parts:
         raise NotImplementedError
+
+    def rerun(self, counts: list[int]) -> bool:
+        """Given the merge pass's Stats.method_counts: run the merge pass again?"""
+        return False
 
     # --- helpers -----------------------------------------------------------------------
     def slices(self, numel: int) -> list[slice]:
@@ -122,68 +134,98 @@ class TaskArithmetic(Method):
 
 class Ties(Method):
     """TIES. scope "model": the paper's trim over the whole flattened model (exact k-th value
-    by a two-pass radix select) and majority-sign fallback (a third pass); scope "tensor":
-    mergekit's per-tensor top-k (ties at the cut-off are all kept) with zero sum counted +."""
+    by a radix select: a coarse pass, and a fine one only when the coarse bin holding the cut
+    holds several values) and majority-sign fallback: the merge pass assumes +, counts the
+    signs and the entries where the fallback applies, and is run again in the rare case that
+    some exist and the majority is not +. scope "tensor": mergekit's per-tensor top-k (ties at
+    the cut-off are all kept) with zero sum counted +."""
 
     name = "ties"
 
     def __init__(self, cfg: Any, weights: Sequence[float], chunk: int = 1 << 18) -> None:
         super().__init__(cfg, weights, chunk)
         self.model_scope = cfg.scope == "model"
-        self.passes = 3 if self.model_scope else 0
+        self.passes = 1 if self.model_scope else 0
         self.bins: list[tuple[int, int] | None] = []
         self.thresholds: list[float] = []
         self.zero_sign = 1.0
 
     def collect(self, p: int, g: Group) -> Any:
         if p == 0:
-            return self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
-        if p == 1:
-            return self.over_chunks(g, lambda taus, _c: [
-                kth.fine_hist(t, b[0]) if b else np.zeros(kth.BINS, np.int64)
-                for t, b in zip(taus, self.bins, strict=True)])  # fmt: skip
-        return self.over_chunks(g, lambda taus, _c: self._sign_sum(taus))
+            inexact = self.over_chunks(g, lambda taus, _c: [kth.inexact_hist(t) for t in taus])
+            return self._coarse(g), inexact
+        return self._fine(g, [b[0] if b else None for b in self.bins])
 
-    def _sign_sum(self, taus: list[torch.Tensor]) -> int:
-        import torch
+    def _coarse(self, g: Group) -> list[np.ndarray]:
+        hists = self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
+        for h in hists:
+            h[0] += g.zeros  # |0| has the all-zero bit pattern
+        return hists
 
-        total = torch.zeros_like(taus[0])
-        for t, w, thr in zip(taus, self.weights, self.thresholds, strict=True):
-            total.add_(K.trim(t, thr), alpha=w)
-        return int(torch.sign(total).sum())
+    def _fine(self, g: Group, his: list[int | None]) -> list[np.ndarray]:
+        hists = self.over_chunks(g, lambda taus, _c: [
+            kth.fine_hist(t, hi) if hi is not None else np.zeros(kth.BINS, np.int64)
+            for t, hi in zip(taus, his, strict=True)])  # fmt: skip
+        for h, hi in zip(hists, his, strict=True):
+            if hi == 0:
+                h[0] += g.zeros
+        return hists
 
     def finish(self, p: int, total: Any) -> None:
         if p == 0:
-            d = int(total[0].sum())
+            coarse, inexact = total
+            d = int(coarse[0].sum())
             rank = kth.paper_rank(d, self.cfg.density)
-            self.bins = [kth.locate(h, rank) if rank >= 1 else None for h in total]
+            bins = [kth.locate(h, rank) if rank >= 1 else None for h in coarse]
+            # a bin without inexact entries holds the one value (hi << 16): exact already
+            self.thresholds = [kth.value(b[0], 0) if b else 0.0 for b in bins]
+            self.bins = [b if b and x[b[0]] else None for b, x in zip(bins, inexact, strict=True)]
+            self.passes = 2 if any(self.bins) else 1
         elif p == 1:
-            self.thresholds = [
-                kth.value(b[0], kth.locate(h, b[1])[0]) if b else 0.0
-                for h, b in zip(total, self.bins, strict=True)
-            ]
-        else:
-            self.zero_sign = float(np.sign(total))
+            for i, (h, b) in enumerate(zip(total, self.bins, strict=True)):
+                if b:
+                    self.thresholds[i] = kth.value(b[0], kth.locate(h, b[1])[0])
+
+    def rerun(self, counts: list[int]) -> bool:
+        """After a model-scope merge pass run with the + fallback: if entries needed the
+        fallback and the model's majority sign is not +, set it and ask for the pass again."""
+        if not self.model_scope or not counts:
+            return False
+        sign_sum, fallback = counts
+        sign = float(np.sign(sign_sum))
+        if fallback and sign != self.zero_sign:
+            self.zero_sign = sign
+            return True
+        return False
 
     def tensor_thresholds(self, g: Group) -> list[float]:
-        numel = g.taus[0].numel()
+        numel = g.numel
         rank = kth.topk_rank(numel, self.cfg.density)
         if rank < 1:
             return [0.0] * self.n
         if rank > numel:
             return [float("inf")] * self.n
-        coarse = self.over_chunks(g, lambda taus, _c: [kth.coarse_hist(t) for t in taus])
-        bins = [kth.locate(h, rank) for h in coarse]
-        fine = self.over_chunks(g, lambda taus, _c: [
-            kth.fine_hist(t, b[0]) for t, b in zip(taus, bins, strict=True)])  # fmt: skip
+        bins = [kth.locate(h, rank) for h in self._coarse(g)]
+        fine = self._fine(g, [b[0] for b in bins])
         return [kth.value(b[0], kth.locate(h, b[1])[0]) for h, b in zip(fine, bins, strict=True)]
 
     def merge(self, g: Group) -> Parts:
         thr = self.thresholds if self.model_scope else self.tensor_thresholds(g)
 
         def kernel(taus: list[torch.Tensor], _m: Any, _c: int) -> K.Merged:
+            import torch
+
             trimmed = [K.trim(t, x) for t, x in zip(taus, thr, strict=True)]
-            return K.ties_consensus(trimmed, self.weights, self.cfg.lam, True, self.zero_sign)
+            merged = K.ties_consensus(trimmed, self.weights, self.cfg.lam, True, self.zero_sign)
+            if not self.model_scope:
+                return merged
+            total = torch.zeros_like(trimmed[0])
+            anyone = torch.zeros(total.shape, dtype=torch.bool)
+            for t, w in zip(trimmed, self.weights, strict=True):
+                total.add_(t, alpha=w)
+                anyone |= t != 0
+            fallback = int((anyone & (total == 0)).sum())
+            return merged._replace(counts=(int(torch.sign(total).sum()), fallback))
 
         return self.chunked(g, kernel)
 
@@ -198,6 +240,7 @@ class DareLinear(Method):
     1/density (paper), mergekit's L1 ratio, or not at all; then task arithmetic."""
 
     name = "dare_linear"
+    sparse = False  # the keep masks are drawn per chunk of the whole tensor
 
     def keep(self, name: str, expert: int, chunk: int, n: int) -> torch.Tensor:
         import torch
@@ -340,6 +383,7 @@ class IsoC(Method):
     (embeddings, lm_head) get alpha * mean(w_i tau_i)."""
 
     name = "iso_c"
+    sparse = False  # an SVD of the whole matrix
 
     def merge(self, g: Group) -> Parts:
         if len(g.shape) == 2 and not any(p in g.name for p in self.cfg.average):

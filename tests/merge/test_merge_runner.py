@@ -96,6 +96,40 @@ def test_ties_paper_trims_over_the_whole_model(ckpt, tmp_path):
     )
 
 
+def test_ties_paper_majority_sign_decides_exact_cancellations(ckpt, tmp_path):
+    """Where the trimmed deltas cancel exactly, the paper takes the model's majority sign (here
+    -): the merge pass first assumes +, sees the cancellation and the - majority, runs again."""
+    base = ckpt("base", {"w": torch.zeros(6)})
+    e1 = ckpt("e1", {"w": torch.tensor([0.5, -0.1, -0.2, -0.3, 0.0, 0.0])})
+    e2 = ckpt("e2", {"w": torch.tensor([-0.5, -0.1, -0.2, -0.3, 0.0, 0.0])})
+    summary = merge(base, [e1, e2], R.Ties(density=1.0), tmp_path / "out")
+    np.testing.assert_allclose(load(tmp_path / "out")["w"].numpy(), [-0.5, -0.1, -0.2, -0.3, 0, 0])
+    assert summary.passes == 2  # the coarse statistics pass, then the merge pass ran twice
+
+
+def test_ties_paper_bf16_cut_from_the_coarse_pass_alone(ckpt, tmp_path):
+    """bf16 task vectors have few significant bits: the coarse bin holding the cut holds one
+    value, the fine pass is skipped, and the result is the in-memory paper TIES."""
+    gen = torch.Generator().manual_seed(1)
+    b = (torch.randn(2, 500, generator=gen) * 0.02).bfloat16()
+    steps = torch.randint(-3, 4, (2, 500), generator=gen) * (
+        torch.rand(2, 500, generator=gen) < 0.4
+    )
+    from rl360.merge import ulp
+
+    e = ulp.from_ordinal(ulp.ordinal(b) + steps, torch.bfloat16)
+    base = ckpt("base", {"a": b[0], "b": b[1]}, shards=2)
+    e1 = ckpt("e1", {"a": e[0], "b": e[1]}, shards=2)
+    summary = merge(base, [e1], R.Ties(density=0.2), tmp_path / "out", dtype="float32")
+    tau = e.float() - b.float()
+    flat = tau.reshape(-1).abs()
+    kth = float(flat.kthvalue(flat.numel() - int(flat.numel() * 0.2)).values)
+    want = b.float() + torch.where(tau.abs() >= kth, tau, 0.0)
+    got = load(tmp_path / "out")
+    assert torch.equal(torch.stack([got["a"], got["b"]]), want)
+    assert summary.passes == 1 and kth > 0
+
+
 def test_shape_mismatch_names_tensor_and_shapes(ckpt, tmp_path):
     base = ckpt("base", {"x": torch.zeros(4, 3), "y": torch.zeros(2)})
     bad = ckpt("bad", {"x": torch.zeros(4, 3), "y": torch.zeros(3)})
