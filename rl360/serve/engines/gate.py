@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 
 class VersionGate:
@@ -52,31 +52,23 @@ class VersionGate:
                 self._readers -= 1
                 self._cond.notify_all()
 
-    @asynccontextmanager
-    async def writing(self) -> AsyncIterator[None]:
+    def writing(self) -> AbstractAsyncContextManager[None]:
         """Hold while weights change: waits for running generations, blocks new ones."""
-        async with self._cond:
-            self._writers_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
-            finally:
-                self._writers_waiting -= 1
-            self._writing = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._writing = False
-                self._cond.notify_all()
+        return self._exclusive(drain=True)
 
-    @asynccontextmanager
-    async def swapping(self) -> AsyncIterator[None]:
+    def swapping(self) -> AbstractAsyncContextManager[None]:
         """Hold while weights change under the engine's own pause: blocks new generations,
         lets running ones stay in flight (the engine pauses them)."""
+        return self._exclusive(drain=False)
+
+    @asynccontextmanager
+    async def _exclusive(self, drain: bool) -> AsyncIterator[None]:
+        """One writer at a time, new readers blocked; with `drain`, also no running reader."""
         async with self._cond:
             self._writers_waiting += 1
             try:
-                await self._cond.wait_for(lambda: not self._writing)
+                await self._cond.wait_for(
+                    lambda: not self._writing and (not drain or self._readers == 0))
             finally:
                 self._writers_waiting -= 1
             self._writing = True
