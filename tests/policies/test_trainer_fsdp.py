@@ -84,7 +84,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, out: str) -> None:
         results["w0"] = trainer.state_dict_for_sync() if rank == 0 else {}
         trainer.save(Path(out) / "ckpt")
         tokens, seqs = global_denominators(s.mask for s in b1.samples)
-        part = Batch(samples=[b1.samples[i] for i in split_by_tokens(b1.samples, world)[rank]])
+        part = Batch(samples=[b1.samples[i] for i in split_by_tokens([len(s.tokens) for s in b1.samples], world)[rank]])
         results["m1"] = trainer.train_step(part, tokens, seqs)
         results["w1"] = trainer.state_dict_for_sync() if rank == 0 else {}
         trainer.load(Path(out) / "ckpt")
