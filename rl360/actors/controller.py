@@ -97,18 +97,24 @@ class RolloutController:
         self._watchers: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
         self._all_infra_in_a_row = 0
-        self._lost_at: dict[int, float] = {}  # env actor index -> when it last lost an episode
+        self._lost_at: dict[int, float] = {}
+        self._handoff = asyncio.Lock()  # env actor index -> when it last lost an episode
         self._window: collections.deque[bool] = collections.deque(maxlen=config.breaker_window)
         self._reasons: collections.Counter[str] = collections.Counter()
         self._rr = 0
 
     # ------------------------------------------------------------------ control
 
-    async def start(self, groups_started: int = 0, tasks_taken: int = 0) -> None:
+    async def start(self, groups_started: int = 0, tasks_taken: int = 0,
+                    pending: list[Task] | None = None) -> None:
+        """Start the rollout loop; a resume passes a checkpoint's `checkpoint_state`: the
+        groups settled, the stream position and the tasks to run first (in flight or
+        re-queued when it was taken)."""
         self.started = self.seq = groups_started
         for _ in range(tasks_taken):  # resume: skip what earlier runs already took
             next(self.tasks)
         self.tasks_taken = tasks_taken
+        self.requeued.extend((t, 0) for t in pending or [])
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._run(), name="rl360-rollout-loop")
         self._loop_task.add_done_callback(self._on_done)
@@ -137,10 +143,22 @@ class RolloutController:
                                    else f"rollout controller failed: {self._failure!r}")
         return self._status()
 
+    async def checkpoint_state(self) -> tuple[bytes, dict[str, Any]]:
+        """The buffer's state and what a resume needs, taken together while no group is handed
+        over (so no group is both queued and pending, or neither): the groups settled, the
+        task stream's position, and every task started but not settled (in flight, re-queued),
+        which a resume runs first. Nothing is skipped; only in-flight work is redone."""
+        async with self._handoff:
+            blob = await self.buffer.state.remote()
+            pending = [g.task for g in self.inflight.values()] + [t for t, _ in self.requeued]
+            return blob, {"groups_started": self.started - len(self.inflight),
+                          "tasks_taken": self.tasks_taken,
+                          "pending_tasks": msgspec.to_builtins(pending)}
+
     def _status(self) -> dict[str, Any]:
         return {
             "groups_started": self.started,
-            "tasks_taken": self.tasks_taken - len(self.requeued),
+            "tasks_taken": self.tasks_taken,
             "in_flight_groups": len(self.inflight),
             "in_flight_episodes": sum(len(g.refs) for g in self.inflight.values()),
             "served_version": self.served_version,
@@ -274,6 +292,10 @@ class RolloutController:
         except (ray.exceptions.TaskCancelledError, asyncio.CancelledError):
             return  # tail-cancelled: the canceller re-queued the task
         self._breaker(records)
+        async with self._handoff:  # a checkpoint sees this group queued or pending, not both
+            await self._hand_over(gid, g, records)
+
+    async def _hand_over(self, gid: str, g: _Group, records: list[EpisodeRecord]) -> None:
         if self.inflight.pop(gid, None) is None:
             return
         self.done_times[g.batch].append(time.monotonic() - g.started)

@@ -35,6 +35,7 @@ from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
 from rl360.recipe import Recipe
 from rl360.serve.weights.transports import WeightTransport, build_transport
+from rl360.types import Task
 
 CKPT_META = "rl360_checkpoint.json"
 
@@ -150,8 +151,10 @@ class TrainRun:
                     transport.publish(self.version)
                     print(f"rl360: resumed from {self.ckpt} (step {self.step0}, policy version "
                           f"{self.version})", file=sys.stderr)
+                pending = msgspec.convert(self.meta.get("pending_tasks", []), list[Task])
                 ray.get(actors.controller.start.remote(int(self.meta.get("groups_started", 0)),
-                                                       int(self.meta.get("tasks_taken", 0))))
+                                                       int(self.meta.get("tasks_taken", 0)),
+                                                       pending))
                 self.loop(stack, actors, transport)
             except ray.exceptions.RayTaskError as exc:
                 if not isinstance(exc.cause, ControllerFailed):
@@ -232,7 +235,7 @@ class TrainRun:
                 print(f"rl360: time budget of {tr.max_minutes:g} min reached after step {step}")
             if ((tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps
                     or STOP.requested or out_of_time):
-                path = self.checkpoint(step, actors, cstat)
+                path = self.checkpoint(step, actors)
                 if STOP.requested or out_of_time:
                     print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
                     return
@@ -247,11 +250,9 @@ class TrainRun:
             ray.get(actors.controller.status.remote())  # surface a dead controller
         return None
 
-    def checkpoint(self, step: int, actors: TrainActors,
-                   cstat: dict[str, Any] | None = None) -> Path:
-        cstat = cstat if cstat is not None else ray.get(actors.controller.status.remote())
-        return save_checkpoint(self.run_dir, step, self.version, actors.trainer, actors.buffer,
-                               cstat, self.recipe.train.keep_checkpoints)
+    def checkpoint(self, step: int, actors: TrainActors) -> Path:
+        return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
+                               actors.controller, self.recipe.train.keep_checkpoints)
 
 
 def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
@@ -266,17 +267,19 @@ def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any
     return sum(fracs) / len(fracs) if fracs else float("nan")
 
 
-def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, buffer: Any,
-                    cstat: dict[str, Any], keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, controller: Any,
+                    keep: int) -> Path:
+    """model + optimizer state, the buffer's queued groups (their trajectories whole) and the
+    controller's resume state, written to a temp dir and renamed: complete or absent."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     trainer.save(tmp / "model")
-    (tmp / "buffer.msgpack").write_bytes(ray.get(buffer.state.remote()))
-    meta = {"step": step, "version": version, "groups_started": cstat["groups_started"],
-            "tasks_taken": cstat["tasks_taken"], "time": time.time()}
+    blob, resume = ray.get(controller.checkpoint_state.remote())
+    (tmp / "buffer.msgpack").write_bytes(blob)
+    meta = {"step": step, "version": version, **resume, "time": time.time()}
     (tmp / CKPT_META).write_text(json.dumps(meta, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # complete or absent: a kill mid-save leaves only a .tmp dir

@@ -221,3 +221,38 @@ def test_the_circuit_breaker_stops_a_run_that_only_fails_on_infrastructure(ray_c
     assert "bwrap: setting up uid map: Permission denied" in text
     status = ray.get(ctl.stop.remote())
     assert status["count/episodes_rerun"] >= 3  # each infra episode was tried once more
+
+
+def test_a_checkpoint_resumes_without_skipping_or_repeating_a_task(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """t0 finishes, t1 is still running when the checkpoint is taken: the resumed controller
+    runs t1 first, then goes on with t2; t0 stays queued in the restored buffer."""
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import RolloutController
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+                    max_staleness=0, max_in_flight_groups=8)
+    env = ray.remote(FakeEnvActor).remote(slow_task="t1", slow_s=600.0)
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
+    pub = ray.remote(WeightPublisher).remote()
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(train, 1, [env], buf, pub)
+    ray.get(ctl.start.remote())
+    deadline = time.monotonic() + 60
+    while ray.get(buf.size.remote()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    blob, resume = ray.get(ctl.checkpoint_state.remote())
+    assert [t["id"] for t in resume["pending_tasks"]] == ["t1"]
+    assert resume["groups_started"] == 1 and resume["tasks_taken"] == 2
+    ray.get(ctl.stop.remote())
+
+    env2 = ray.remote(FakeEnvActor).remote()
+    buf2 = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
+    ray.get(buf2.load_state.remote(blob))
+    ctl2 = ray.remote(RolloutController).options(max_concurrency=100).remote(train, 1, [env2], buf2, pub)
+    pending = [Task(**t) for t in resume["pending_tasks"]]
+    ray.get(ctl2.start.remote(resume["groups_started"], resume["tasks_taken"], pending))
+    batch = ray.get(buf2.next_batch.remote(0, 1, 60.0))
+    assert batch is not None and sorted({m.task_id for m in batch.members}) == ["t0", "t1"]
+    started = [gid.split("-", 1)[1] for gid, _ in ray.get(env2.log.remote())]
+    assert started[0] == "t1" and "t0" not in started
+    ray.get(ctl2.stop.remote())
