@@ -24,7 +24,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from rl360.envs.sandbox.base import SandboxLimits
+from rl360.envs.sandbox.base import SandboxError, SandboxLimits
 from rl360.envs.sandbox.cgroups import SandboxCgroups
 from rl360.envs.sandbox.channel import server_argv
 from rl360.envs.sandbox.interp import reachable_by_others, resolve_python
@@ -269,6 +269,14 @@ class BwrapSandbox(ServedSandbox):
             log.error("%s: processes left in its cgroup after kill: %s", self.sandbox_id, cg.pids())
         for err in cg.remove():
             log.error("%s: %s", self.sandbox_id, err)
+
+    async def sweep(self, dirs: Sequence[str] = ()) -> int:
+        self._check_open()
+        await self.start()
+        res = await self._channel().sweep(dirs)
+        if not res.get("swept"):
+            raise SandboxError(f"{self.sandbox_id}: the exec server is not its namespace's init")
+        return int(res.get("killed", 0))
 
     async def host_pids(self) -> list[int]:
         return self._cg.pids() if self._cg is not None else []

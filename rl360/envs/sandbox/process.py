@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Sequence
 
 from rl360.envs.sandbox.base import SandboxLimits
 from rl360.envs.sandbox.channel import server_argv
@@ -113,6 +114,25 @@ class ProcessSandbox(ServedSandbox):
             )
         if self._own_workdir and self.workdir:
             await asyncio.to_thread(shutil.rmtree, self.workdir, True)
+
+    async def sweep(self, dirs: Sequence[str] = ()) -> int:
+        self._check_open()
+        await self.start()
+        server = self._proc.pid if self._proc is not None else -1
+        killed = 0
+        for _ in range(50):
+            pids = [p for p in await asyncio.to_thread(_marked_pids, self.sandbox_id)]
+            pids = [p for p in pids if p != server]
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+            await asyncio.sleep(0.02)
+        if dirs:
+            await self._channel().sweep(dirs)  # not init here: empties the dirs only
+        return killed
 
     async def host_pids(self) -> list[int]:
         return await asyncio.to_thread(_marked_pids, self.sandbox_id)

@@ -106,13 +106,16 @@ class ServedSandbox(Sandbox):
         timeout: float | None = None,  # noqa: ASYNC109  (the Sandbox contract)
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         self._check_open()
         await self.start()
         t = float(timeout) if timeout is not None else self.limits.timeout
         if t <= 0:
             raise ValueError(f"exec timeout must be > 0, got {timeout}")
-        return await self._channel().exec(shell_argv(cmd), t, cwd, env, self.limits.output_bytes)
+        return await self._channel().exec(
+            shell_argv(cmd), t, cwd, env, self.limits.output_bytes, stdin
+        )
 
     async def write_file(self, path: str, data: str | bytes, mode: int | None = None) -> None:
         self._check_open()
