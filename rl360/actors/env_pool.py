@@ -94,14 +94,16 @@ class EnvActor:
     def _sandbox_for(self, env: Any, task: Task, limits: SandboxLimits) -> tuple[Any, bool]:
         """(sandbox, pooled): a warm shared one for envs that allow it, else a fresh one."""
         if not getattr(env, "reuse_sandbox", False):
-            return open_sandbox(env, task, self.cfg.sandbox, limits), False
+            return open_sandbox(env, task, self.cfg.sandbox, limits,
+                                self.cfg.allow_unsandboxed), False
         spec = env.sandbox_spec(task, limits)
         key = msgspec.json.encode([self.cfg.sandbox, spec]).decode()
         pool = self._warm.setdefault(key, [])
         if len(pool) < self.WARM_SANDBOXES:
             if self._slots is None:
                 self._slots = asyncio.Semaphore(self.EXEC_SLOTS)
-            pool.append(_Throttled(open_sandbox(env, task, self.cfg.sandbox, limits), self._slots))
+            pool.append(_Throttled(open_sandbox(env, task, self.cfg.sandbox, limits,
+                                                self.cfg.allow_unsandboxed), self._slots))
             return pool[-1], True
         return pool[next(self._warm_rr) % len(pool)], True
 

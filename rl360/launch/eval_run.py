@@ -41,7 +41,8 @@ def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], li
     for t in tasks:
         try:
             env = build_env_for(recipe.env.env, recipe.env.params, t.kind)
-            choose_backend(env.sandbox_spec(t, recipe.env.limits), recipe.env.sandbox, t)
+            choose_backend(env.sandbox_spec(t, recipe.env.limits), recipe.env.sandbox, t,
+                           recipe.env.allow_unsandboxed)
             ok.append(t)
         except TaskRefused as exc:
             refused.append(str(exc))

@@ -18,6 +18,7 @@ from rl360.envs.sandbox import (
     unavailable_reason,
 )
 from rl360.envs.sandbox.interp import resolve_python
+from rl360.types import Task
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,8 +109,31 @@ def test_factory_errors():
         build_sandbox("nope")
     with pytest.raises(ValueError, match="must be > 0"):
         SandboxLimits(memory_mb=0)
-    expected = "bwrap" if unavailable_reason("bwrap") is None else "process"
-    assert resolve_backend("auto") == expected
+    if unavailable_reason("bwrap") is None:
+        assert resolve_backend("auto") == "bwrap"
+
+
+def test_auto_never_downgrades_silently(monkeypatch):
+    """Without bwrap, "auto" fails with the reason unless env.allow_unsandboxed is set; an
+    explicit "process" stays allowed (it is a choice, not a downgrade)."""
+    from rl360.envs import api
+    from rl360.envs.code import CodeEnv
+    from rl360.envs.sandbox import factory
+
+    monkeypatch.setitem(factory.AVAILABLE, "bwrap", lambda: "bwrap probe failed (test)")
+    with pytest.raises(SandboxStartError, match="allow_unsandboxed"):
+        resolve_backend("auto")
+    with pytest.raises(SandboxStartError, match="bwrap probe failed"):
+        build_sandbox("auto")
+    assert resolve_backend("auto", allow_unsandboxed=True) == "process"
+    task = Task(id="t", prompt="p", data={"tests": ["pass"]})
+    with pytest.raises(api.TaskRefused, match="allow_unsandboxed"):
+        api.open_sandbox(CodeEnv(), task, "auto")
+    assert api.open_sandbox(CodeEnv(), task, "auto", allow_unsandboxed=True).backend == "process"
+    assert api.open_sandbox(CodeEnv(), task, "process").backend == "process"
+    from rl360.recipe import EnvSection
+
+    assert EnvSection().allow_unsandboxed is False
 
 
 async def test_bwrap_start_failure_is_clear(bwrap_backend):
@@ -159,7 +183,6 @@ def test_stale_cgroups_of_dead_owners_are_swept(tmp_path):
 def test_explicit_unavailable_backend_is_refused_with_reason(monkeypatch):
     from rl360.envs import api
     from rl360.envs.code import CodeEnv
-    from rl360.types import Task
 
     monkeypatch.setattr(api, "unavailable_reason", lambda name: "no engine")
     with pytest.raises(

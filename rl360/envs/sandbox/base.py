@@ -6,7 +6,8 @@ kills every process the sandbox started and frees what it used. Paths are inside
 a relative path is relative to `Sandbox.workdir`.
 
 The backends are listed in `rl360.envs.sandbox.factory.SANDBOXES`; `build_sandbox("auto",
-limits)` picks bwrap where bubblewrap works and the process fallback elsewhere.
+limits)` picks bwrap where bubblewrap works and fails elsewhere, unless `allow_unsandboxed` lets
+it fall back to the process backend.
 """
 
 from __future__ import annotations
