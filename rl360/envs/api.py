@@ -30,6 +30,12 @@ class TaskRefused(ValueError):
     """This task cannot run here (e.g. it needs its own container image and no Docker runs)."""
 
 
+class ModelFault(RuntimeError):
+    """A failure the model caused (its sandbox died during its own command, its work left the
+    verifier unable to write a reward): a scored failure (status error, reward 0), never an
+    unscored infra_error."""
+
+
 class EnvStart(msgspec.Struct, omit_defaults=True):
     messages: list[Message]
     tools: list[ToolSpec] = msgspec.field(default_factory=list)

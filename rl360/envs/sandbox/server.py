@@ -18,11 +18,13 @@ ignores every signal it can (SIGKILL and SIGSTOP cannot be); its commands get th
 """
 
 import ctypes
+import errno
 import json
 import os
 import resource
 import selectors
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -162,7 +164,8 @@ class Server:
                 parent = os.path.dirname(path)
                 if parent:
                     os.makedirs(parent, exist_ok=True)
-                with open(path, "wb") as f:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC
+                with self.regular(path, flags, "wb") as f:
                     f.write(blobs[0] if blobs else b"")
                 if req.get("mode") is not None:
                     os.chmod(path, int(req["mode"]))
@@ -170,7 +173,8 @@ class Server:
             elif op == "read":
                 limit = req.get("max")
                 limit = READ_CAP if limit is None else min(int(limit), READ_CAP)
-                with open(self.path(req["path"]), "rb") as f:
+                flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+                with self.regular(self.path(req["path"]), flags, "rb") as f:
                     data = f.read(limit + 1)
                 if len(data) > limit:
                     self.send({"id": rid, "ok": True, "truncated": True}, [data[:limit]])
@@ -203,6 +207,19 @@ class Server:
                     f.write(str(self.oom_adj))
             except OSError:
                 pass
+
+    def regular(self, path, flags, mode):
+        """Open `path` without blocking (a FIFO would stall the whole server) and only when it
+        is a regular file (not /dev/zero, a FIFO or a socket)."""
+        fd = os.open(path, flags, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def stdin_fd(self, data):
         """A file holding `data` that no path names (memfd), for a child's stdin."""
