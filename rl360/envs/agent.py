@@ -88,6 +88,8 @@ async def run_episode(
 
     try:
         await sandbox.start()
+        for name in sandbox.protections.missing():  # into the run's metrics, never silent
+            counters[f"sandbox_missing_{name}"] = 1
         start = await asyncio.wait_for(env.setup(task, sandbox), cfg.call_timeout_s)
     except asyncio.CancelledError:
         raise

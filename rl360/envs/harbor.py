@@ -139,6 +139,17 @@ class HarborEnv(Env):
                 image=d.get("docker_image"),
                 why=f"harbor task {task.id!r} needs its own container ({what})",
             )
+        if limits.network:
+            return SandboxSpec(
+                limits=limits,
+                workdir=workdir,
+                scratch_dirs=SCRATCH_DIRS,
+                backends=["docker"],
+                why=(
+                    f"harbor task {task.id!r} needs the public network, which the bwrap sandbox "
+                    "refuses (it would share the host's loopback)"
+                ),
+            )
         return SandboxSpec(
             limits=limits,
             workdir=workdir,

@@ -64,11 +64,10 @@ async def test_infinite_loop_cpu_limit(backend, make_sandbox, require, fresh_ok)
     sb = make_sandbox(backend, cpu_seconds=1, timeout=20)
     await sb.start()
     require(sb, "cpu")
-    t0 = time.monotonic()
     res = await sb.exec(["python3", "-I", "-S", "-c", "while True: pass"], timeout=20)
-    assert time.monotonic() - t0 < 6, "RLIMIT_CPU did not stop the loop"
-    assert res.exit_code in (-24, -9), res  # SIGXCPU, then SIGKILL at the hard limit
-    assert not res.timed_out
+    # RLIMIT_CPU, not the 20 s wall clock, stopped it: SIGXCPU (or SIGKILL at the hard limit)
+    assert not res.timed_out, "RLIMIT_CPU did not stop the loop"
+    assert res.exit_code in (-24, -9), res
     await fresh_ok(backend)
 
 

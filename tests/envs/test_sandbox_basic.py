@@ -17,7 +17,7 @@ from rl360.envs.sandbox import (
     resolve_backend,
     unavailable_reason,
 )
-from rl360.envs.sandbox.interp import resolve_python
+from rl360.envs.sandbox.interp import reachable_by_others
 from rl360.types import Task
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,8 +91,11 @@ async def test_interpreter_is_resolved_binary(backend, make_sandbox):
     res = await sb.exec(
         ["python3", "-I", "-S", "-c", "import sys, os; print(os.path.realpath(sys.executable))"]
     )
-    assert res.stdout.strip() == resolve_python().executable
+    assert res.stdout.strip() == sb.python.executable
     assert "shims" not in res.stdout
+    if backend == "bwrap":  # reachable by the unprivileged sandbox uid, never via host root
+        assert reachable_by_others(sb.python.executable)
+        assert reachable_by_others(sb.python.prefix)
 
 
 async def test_closed_sandbox_refuses(backend, make_sandbox):

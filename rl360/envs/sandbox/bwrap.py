@@ -2,16 +2,20 @@
 
 One bwrap per sandbox runs the exec server (as the pid namespace's init, so sandboxed code
 cannot kill it) as uid 65534 with no capabilities, in fresh user,
-pid, ipc, uts, cgroup and (unless limits.network) network namespaces. It sees the system dirs and
+pid, ipc, uts, cgroup and network namespaces (network = true is refused, see
+user_net_unavailable). It sees the system dirs and
 the interpreter's prefix read-only, a RAM-backed work dir and /tmp capped by size, and a
 read-only root. A per-sandbox cgroup caps process count and memory (RLIMIT_NPROC does not hold
 inside a user namespace); each exec'd process gets RLIMIT_CPU. Closing kills bwrap, whose pid
 namespace takes every sandbox process with it, then sweeps the cgroup until it is empty.
 
-When this host process is root, bwrap's uid 65534 maps to host root (bwrap maps the caller's
-uid), so the launcher first drops to host uid 65534 with setpriv whenever everything bound in is
-reachable by that uid; otherwise it stays root-mapped with no capabilities and only read-only
-binds of system paths (logged once).
+When this host process is root, bwrap's uid 65534 would map to host root (bwrap maps the
+caller's uid), so the launcher always drops to host uid 65534 with setpriv first (no setpriv:
+the sandbox refuses to start). An interpreter that uid cannot reach (under /root) is replaced by
+a world-readable one (interp.sandbox_python); other binds it cannot reach refuse to start. Nested user namespaces are
+disabled (--disable-userns). Without a memory cgroup each process gets RLIMIT_AS instead;
+without a pids cgroup there is no process cap (RLIMIT_NPROC would count the whole host uid):
+both are reported in `protections` (and so in the run's metrics and `rl360 preflight`).
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from rl360.envs.sandbox.base import SandboxError, SandboxLimits
+from rl360.envs.sandbox.base import SandboxError, SandboxLimits, SandboxStartError
 from rl360.envs.sandbox.cgroups import SandboxCgroups
 from rl360.envs.sandbox.channel import server_argv
-from rl360.envs.sandbox.interp import reachable_by_others, resolve_python
+from rl360.envs.sandbox.interp import reachable_by_others, sandbox_python
 from rl360.envs.sandbox.served import ServedSandbox, warn_once
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,16 @@ def bwrap_unavailable() -> str | None:
     return None
 
 
+def user_net_unavailable() -> str | None:
+    """Why a network=true bwrap sandbox cannot get a network of its own here, or None. The host's
+    network namespace is never shared (its loopback reaches Ray's job API, Serve, the gloo store),
+    and no user-mode network stack is wired in yet, so network=true is refused on bwrap."""
+    return (
+        "bwrap sandbox: network = true is refused: sharing the host's network namespace would "
+        "expose its loopback services; use the docker backend for public-network tasks"
+    )
+
+
 def _system_binds() -> list[str]:
     args: list[str] = []
     for d in SYSTEM_DIRS:
@@ -135,7 +149,7 @@ class BwrapSandbox(ServedSandbox):
                 )
         self.scratch_dirs = [os.path.normpath(d) for d in scratch_dirs]
         self.ro_binds = [os.path.realpath(p) for p in ro_binds]
-        self.python = resolve_python(python)
+        self.python = sandbox_python(python)
         self._cg: SandboxCgroups | None = None
 
     def _binds(self) -> list[str]:
@@ -166,12 +180,10 @@ class BwrapSandbox(ServedSandbox):
             "--new-session",
             "--cap-drop",
             "ALL",
+            "--disable-userns",  # no nested user namespaces (a way to regain capabilities)
         ]
-        if not lim.network:
-            args.append("--unshare-net")
+        args.append("--unshare-net")  # always: the host's network namespace is never shared
         args += _system_binds()
-        if lim.network:
-            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
         for p in self._binds():
             args += ["--ro-bind", p, p]
         args += ["--dev", "/dev", "--proc", "/proc"]
@@ -195,10 +207,10 @@ class BwrapSandbox(ServedSandbox):
         }
         for k, v in env.items():
             args += ["--setenv", k, v]
-        config = {
-            "workdir": self.workdir,
-            "rlimits": {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0},
-        }
+        rlimits = {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0}
+        if self._cg is not None and "memory" not in self._cg.holds:  # no cgroup: per process
+            rlimits["RLIMIT_AS"] = (lim.memory_mb + 256) * mib
+        config = {"workdir": self.workdir, "rlimits": rlimits}
         args += ["--", *server_argv(self.python.executable, config)]
         if drop_uid:
             args = [
@@ -212,17 +224,29 @@ class BwrapSandbox(ServedSandbox):
 
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
         lim = self.limits
+        if lim.network:
+            why = user_net_unavailable()
+            if why:
+                raise SandboxStartError(why)
         self._cg = SandboxCgroups.create(
             self.sandbox_id,
             max_procs=lim.max_procs + BWRAP_OVERHEAD_PROCS,
             memory_mb=lim.memory_mb,
             cpus=lim.cpus,
         )
-        drop_uid = (
-            os.geteuid() == 0
-            and shutil.which("setpriv") is not None
-            and all(reachable_by_others(p) for p in self._binds())
-        )
+        drop_uid = os.geteuid() == 0
+        if drop_uid:
+            if shutil.which("setpriv") is None:
+                raise SandboxStartError(
+                    "bwrap sandbox: running as root needs setpriv (util-linux) to drop to uid "
+                    f"{SANDBOX_UID}; refusing to map the sandbox user to host root"
+                )
+            unreachable = [p for p in self._binds() if not reachable_by_others(p)]
+            if unreachable:
+                raise SandboxStartError(
+                    f"bwrap sandbox: {unreachable} not readable by uid {SANDBOX_UID}; "
+                    "make it world-readable (the sandbox never runs as host root)"
+                )
         argv = self._bwrap_argv(drop_uid)
         if self._cg.procs_files:
             joins = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cg.procs_files)
@@ -235,13 +259,16 @@ class BwrapSandbox(ServedSandbox):
         assert cg is not None
         p = self.protections
         host_uid = SANDBOX_UID if drop_uid else os.geteuid()
-        p.network = "" if lim.network else "empty network namespace (bwrap --unshare-net)"
+        p.network = "empty network namespace (bwrap --unshare-net)"
         p.filesystem = (
             f"only system dirs and the interpreter, read-only; uid {SANDBOX_UID} "
             f"(host uid {host_uid}), no capabilities"
         )
-        p.procs = cg.holds.get("pids", "")
-        p.memory = cg.holds.get("memory", "")
+        p.procs = cg.holds.get("pids", "")  # RLIMIT_NPROC counts the whole host uid: no use
+        p.memory = cg.holds.get("memory", "") or (
+            f"RLIMIT_AS {lim.memory_mb + 256} MiB per process (no memory cgroup: not the "
+            "sandbox total)"
+        )
         p.cpu = f"RLIMIT_CPU {lim.cpu_seconds}s per process" + (
             f", {cg.holds['cpu']}" if "cpu" in cg.holds else ""
         )
@@ -255,11 +282,6 @@ class BwrapSandbox(ServedSandbox):
         )
         for ctrl, why in cg.missing.items():
             warn_once(f"bwrap sandbox: no {ctrl} cap ({why})")
-        if os.geteuid() == 0 and not drop_uid:
-            warn_once(
-                "bwrap sandbox: processes map to host root (no capabilities, read-only binds only) "
-                f"because {self._binds()} is not reachable by uid {SANDBOX_UID}"
-            )
 
     async def _teardown(self) -> None:
         cg, self._cg = self._cg, None

@@ -5,7 +5,8 @@ each exec'd process gets its own session and the rlimits a process may always lo
 address space (memory per process) and file size (per file). It does NOT isolate the network
 or the filesystem, cannot cap the process count (RLIMIT_NPROC counts every process of the host
 user and root ignores it), cannot cap total disk use, and cannot keep the commands from killing
-its exec server (which then fails the episode as an infra error); it says so in a warning.
+its exec server with SIGKILL (it ignores every other signal; a killed server is the model's own
+failure: a scored error); it says so in a warning.
 On close it kills the server's and each exec's process group, then every process still
 carrying the sandbox's id in its environment.
 """
@@ -92,7 +93,7 @@ class ProcessSandbox(ServedSandbox):
         warn_once(
             f"process sandbox (uid {os.geteuid()}): NO network isolation, NO filesystem isolation, "
             "NO process-count cap, memory capped per process only (RLIMIT_AS), disk capped per "
-            "file only (RLIMIT_FSIZE), exec server killable by the commands; install bubblewrap "
+            "file only (RLIMIT_FSIZE), exec server killable (SIGKILL) by the commands; install bubblewrap "
             "for the bwrap sandbox"
         )
         return argv, env, self.workdir
