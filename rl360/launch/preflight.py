@@ -117,17 +117,57 @@ def check_support(recipe: Recipe) -> list[Check]:
     return [Check("support", "ok" if family else "warn", support_summary(recipe))]
 
 
-def check_sandbox() -> Check:
+def check_sandbox(recipe: Recipe | None = None) -> Check:
+    """Whether the configured sandbox runs here, and which of its protections hold: bwrap is
+    started once with the recipe's limits and every missing protection is named."""
+    backend = recipe.env.sandbox if recipe is not None else "auto"
+    allow = recipe.env.allow_unsandboxed if recipe is not None else False
     try:
         from rl360.envs.sandbox.bwrap import bwrap_unavailable
 
         why = bwrap_unavailable()
     except ImportError:  # the sandbox package is being reworked: probe bwrap directly
         why = _probe_bwrap()
-    if why is None:
-        return _ok("sandbox", "bwrap works: sandboxes use the bwrap backend")
-    return Check("sandbox", "warn", f"{why}; sandboxes fall back to the process backend "
-                                    "(weaker isolation): apt-get install bubblewrap")
+    if backend not in ("auto", "bwrap"):
+        return _ok("sandbox", f"env.sandbox = {backend!r}")
+    if why is not None:
+        if backend == "auto" and allow:
+            return Check("sandbox", "warn", f"{why}; env.allow_unsandboxed = true: episodes run "
+                                            "UNSANDBOXED (process backend, no isolation)")
+        return _fail("sandbox", f"{why}; sandbox {backend!r} refuses to run: apt-get install "
+                                "bubblewrap (or env.allow_unsandboxed = true for no isolation)")
+    missing = _bwrap_missing(recipe)
+    if missing:
+        return Check("sandbox", "warn", "bwrap works; MISSING protections: " + "; ".join(missing))
+    return _ok("sandbox", "bwrap works: every protection holds (network, filesystem, procs, "
+                          "memory, cpu, disk, cleanup, helper)")
+
+
+def _bwrap_missing(recipe: Recipe | None) -> list[str]:
+    """Start one bwrap sandbox with the recipe's limits; the protections it lacks, with why."""
+    import asyncio
+
+    from rl360.envs.sandbox import SandboxLimits, build_sandbox
+
+    limits = SandboxLimits() if recipe is None else SandboxLimits(
+        memory_mb=recipe.env.memory_mb, cpu_seconds=recipe.env.cpu_seconds,
+        max_procs=recipe.env.max_procs)
+
+    async def probe() -> list[str]:
+        sb = build_sandbox("bwrap", limits)
+        try:
+            await sb.start()
+            cg = getattr(sb, "_cg", None)
+            why = dict(getattr(cg, "missing", {}) or {})
+            return [f"{name} ({why.get('pids' if name == 'procs' else name, 'not available')})"
+                    for name in sb.protections.missing()]
+        finally:
+            await sb.close()
+
+    try:
+        return asyncio.run(probe())
+    except Exception as e:  # the probe itself failing is worth a line, not a traceback
+        return [f"a probe sandbox failed to start: {type(e).__name__}: {e}"]
 
 
 def _probe_bwrap() -> str | None:
@@ -241,7 +281,7 @@ def run_preflight(recipe: Recipe, live: bool, address: str = "",
     ]
     address = address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "") or "auto"
     checks.append(check_placement(recipe, live, address))
-    checks.append(check_sandbox())
+    checks.append(check_sandbox(recipe))
     checks.append(check_model(recipe))
     checks.append(check_disk(recipe, min_free_gb))
     if live:
