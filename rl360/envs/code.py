@@ -124,8 +124,9 @@ class CodeEnv(Env):
             "tests": units,
             "source": RUNNER,
         }
-        # per test: a child interpreter start, the solution's load and the test itself
-        limit = (self.per_test_timeout_s + 1.0) * (len(units) + 1) + 5.0
+        # per test: a child interpreter start (not counted in the per-test time: the runner
+        # allows it up to 30 s on a loaded host), then the solution's load and the test itself
+        limit = (self.per_test_timeout_s + 2.0) * (len(units) + 1) + 10.0
         res = await self.sandbox.exec(
             ["python3", *self.python_flags, "-c", RUNNER, "parent"],
             timeout=limit,

@@ -27,6 +27,7 @@ from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ModelFault, SandboxSpec, TaskRefused, ToolResult
 from rl360.envs.sandbox import Sandbox, SandboxLimits
+from rl360.envs.sandbox.usernet import usernet_unavailable
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
 from rl360.rewards import FormatPenalty, RewardContext
@@ -139,16 +140,14 @@ class HarborEnv(Env):
                 image=d.get("docker_image"),
                 why=f"harbor task {task.id!r} needs its own container ({what})",
             )
-        if limits.network:
+        no_usernet = usernet_unavailable() if limits.network else None
+        if no_usernet:
             return SandboxSpec(
                 limits=limits,
                 workdir=workdir,
                 scratch_dirs=SCRATCH_DIRS,
                 backends=["docker"],
-                why=(
-                    f"harbor task {task.id!r} needs the public network, which the bwrap sandbox "
-                    "refuses (it would share the host's loopback)"
-                ),
+                why=f"harbor task {task.id!r} needs the public network; bwrap: {no_usernet}",
             )
         return SandboxSpec(
             limits=limits,

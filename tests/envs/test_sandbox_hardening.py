@@ -96,6 +96,11 @@ async def test_sandbox_cannot_reach_host_loopback(bwrap_backend, make_sandbox, n
         res = await sb.exec(["python3", "-I", "-S", "-c", PROBE, str(port)], timeout=60)
         assert "REACHED" not in res.stdout, res
         assert not hits
+        if network:
+            assert "slirp4netns" in sb.protections.network
+            routes = await sb.exec("ip route 2>/dev/null; ip route del 10.0.0.0/8 2>&1", timeout=20)
+            assert "unreachable 10.0.0.0/8" in routes.stdout
+            assert "not permitted" in routes.stdout.lower()  # the sandbox cannot lift them
 
 
 async def test_missing_protections_are_reported(bwrap_backend, make_sandbox, monkeypatch):

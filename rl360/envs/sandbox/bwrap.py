@@ -2,8 +2,9 @@
 
 One bwrap per sandbox runs the exec server (as the pid namespace's init, so sandboxed code
 cannot kill it) as uid 65534 with no capabilities, in fresh user,
-pid, ipc, uts, cgroup and network namespaces (network = true is refused, see
-user_net_unavailable). It sees the system dirs and
+pid, ipc, uts, cgroup and network namespaces; network = true adds outbound access through
+slirp4netns with private ranges and the host blocked (usernet.py), or is refused where
+slirp4netns is missing. It sees the system dirs and
 the interpreter's prefix read-only, a RAM-backed work dir and /tmp capped by size, and a
 read-only root. A per-sandbox cgroup caps process count and memory (RLIMIT_NPROC does not hold
 inside a user namespace); each exec'd process gets RLIMIT_CPU. Closing kills bwrap, whose pid
@@ -20,12 +21,14 @@ both are reported in `protections` (and so in the run's metrics and `rl360 prefl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 
 from rl360.envs.sandbox.base import SandboxError, SandboxLimits, SandboxStartError
@@ -33,6 +36,7 @@ from rl360.envs.sandbox.cgroups import SandboxCgroups
 from rl360.envs.sandbox.channel import server_argv
 from rl360.envs.sandbox.interp import reachable_by_others, sandbox_python
 from rl360.envs.sandbox.served import ServedSandbox, warn_once
+from rl360.envs.sandbox.usernet import SLIRP_DNS, UserNet, child_pid, usernet_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +111,6 @@ def bwrap_unavailable() -> str | None:
     return None
 
 
-def user_net_unavailable() -> str | None:
-    """Why a network=true bwrap sandbox cannot get a network of its own here, or None. The host's
-    network namespace is never shared (its loopback reaches Ray's job API, Serve, the gloo store),
-    and no user-mode network stack is wired in yet, so network=true is refused on bwrap."""
-    return (
-        "bwrap sandbox: network = true is refused: sharing the host's network namespace would "
-        "expose its loopback services; use the docker backend for public-network tasks"
-    )
-
-
 def _system_binds() -> list[str]:
     args: list[str] = []
     for d in SYSTEM_DIRS:
@@ -151,6 +145,8 @@ class BwrapSandbox(ServedSandbox):
         self.ro_binds = [os.path.realpath(p) for p in ro_binds]
         self.python = sandbox_python(python)
         self._cg: SandboxCgroups | None = None
+        self._resolv: str | None = None  # a host file bound as /etc/resolv.conf (network only)
+        self._net: UserNet | None = None
 
     def _binds(self) -> list[str]:
         return [
@@ -186,6 +182,8 @@ class BwrapSandbox(ServedSandbox):
         args += _system_binds()
         for p in self._binds():
             args += ["--ro-bind", p, p]
+        if self._resolv is not None:  # network = true: DNS through slirp4netns
+            args += ["--ro-bind", self._resolv, "/etc/resolv.conf"]
         args += ["--dev", "/dev", "--proc", "/proc"]
         for name in PROC_READONLY:
             args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
@@ -225,9 +223,13 @@ class BwrapSandbox(ServedSandbox):
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
         lim = self.limits
         if lim.network:
-            why = user_net_unavailable()
+            why = usernet_unavailable()
             if why:
-                raise SandboxStartError(why)
+                raise SandboxStartError(f"bwrap sandbox: {why}")
+            fd, self._resolv = tempfile.mkstemp(prefix="rl360-resolv-", suffix=".conf")
+            with os.fdopen(fd, "w") as f:
+                f.write(f"nameserver {SLIRP_DNS}\n")
+            os.chmod(self._resolv, 0o644)
         self._cg = SandboxCgroups.create(
             self.sandbox_id,
             max_procs=lim.max_procs + BWRAP_OVERHEAD_PROCS,
@@ -259,7 +261,12 @@ class BwrapSandbox(ServedSandbox):
         assert cg is not None
         p = self.protections
         host_uid = SANDBOX_UID if drop_uid else os.geteuid()
-        p.network = "empty network namespace (bwrap --unshare-net)"
+        p.network = (
+            "own network namespace, outbound through slirp4netns; host loopback, link-local, "
+            "private ranges and the host's own addresses unreachable"
+            if lim.network
+            else "empty network namespace (bwrap --unshare-net)"
+        )
         p.filesystem = (
             f"only system dirs and the interpreter, read-only; uid {SANDBOX_UID} "
             f"(host uid {host_uid}), no capabilities"
@@ -283,7 +290,21 @@ class BwrapSandbox(ServedSandbox):
         for ctrl, why in cg.missing.items():
             warn_once(f"bwrap sandbox: no {ctrl} cap ({why})")
 
+    async def _after_ready(self) -> None:
+        if not self.limits.network:
+            return
+        assert self._proc is not None
+        self._net = UserNet()
+        await self._net.attach(child_pid(self._proc.pid))
+
     async def _teardown(self) -> None:
+        if self._net is not None:
+            await self._net.close()
+            self._net = None
+        if self._resolv is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._resolv)
+            self._resolv = None
         cg, self._cg = self._cg, None
         if cg is None:
             return

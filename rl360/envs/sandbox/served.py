@@ -55,6 +55,10 @@ class ServedSandbox(Sandbox):
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
         """Set up host-side resources; return (argv, env, cwd) that start the exec server."""
 
+    async def _after_ready(self) -> None:
+        """Host-side set-up that needs the running sandbox (e.g. its network); raise to fail
+        the start."""
+
     @abc.abstractmethod
     async def _teardown(self) -> None:
         """Kill every remaining process and free host-side resources (after the server died)."""
@@ -82,7 +86,8 @@ class ServedSandbox(Sandbox):
                 )
                 self._chan = ServerChannel(self._proc, self.sandbox_id)
                 await self._chan.wait_ready(START_TIMEOUT_S)
-            except (OSError, SandboxError, ValueError) as e:
+                await self._after_ready()
+            except (OSError, SandboxError, ValueError, RuntimeError) as e:
                 await self._kill_and_teardown()
                 self._closed = True
                 if isinstance(e, SandboxStartError):
