@@ -149,9 +149,7 @@ def _bwrap_missing(recipe: Recipe | None) -> list[str]:
 
     from rl360.envs.sandbox import SandboxLimits, build_sandbox
 
-    limits = SandboxLimits() if recipe is None else SandboxLimits(
-        memory_mb=recipe.env.memory_mb, cpu_seconds=recipe.env.cpu_seconds,
-        max_procs=recipe.env.max_procs)
+    limits = SandboxLimits() if recipe is None else recipe.env.limits
 
     async def probe() -> list[str]:
         sb = build_sandbox("bwrap", limits)
