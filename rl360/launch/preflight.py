@@ -11,6 +11,7 @@ multi-node recipe's GPU check is skipped.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib.metadata
 import importlib.util
@@ -18,13 +19,14 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from rl360.envs.sandbox import SandboxLimits, build_sandbox
+from rl360.envs.sandbox import bwrap as bwrap_sandbox
 from rl360.launch.placement import PlacementError, is_cluster_recipe, plan_placement
 from rl360.launch.plan import live_nodes, resolve_nodes
 from rl360.policies.loading import cache_dir, smollm2_gguf_path
@@ -122,12 +124,7 @@ def check_sandbox(recipe: Recipe | None = None) -> Check:
     started once with the recipe's limits and every missing protection is named."""
     backend = recipe.env.sandbox if recipe is not None else "auto"
     allow = recipe.env.allow_unsandboxed if recipe is not None else False
-    try:
-        from rl360.envs.sandbox.bwrap import bwrap_unavailable
-
-        why = bwrap_unavailable()
-    except ImportError:  # the sandbox package is being reworked: probe bwrap directly
-        why = _probe_bwrap()
+    why = bwrap_sandbox.bwrap_unavailable()
     if backend not in ("auto", "bwrap"):
         return _ok("sandbox", f"env.sandbox = {backend!r}")
     if why is not None:
@@ -145,10 +142,6 @@ def check_sandbox(recipe: Recipe | None = None) -> Check:
 
 def _bwrap_missing(recipe: Recipe | None) -> list[str]:
     """Start one bwrap sandbox with the recipe's limits; the protections it lacks, with why."""
-    import asyncio
-
-    from rl360.envs.sandbox import SandboxLimits, build_sandbox
-
     limits = SandboxLimits() if recipe is None else recipe.env.limits
 
     async def probe() -> list[str]:
@@ -166,18 +159,6 @@ def _bwrap_missing(recipe: Recipe | None) -> list[str]:
         return asyncio.run(probe())
     except Exception as e:  # the probe itself failing is worth a line, not a traceback
         return [f"a probe sandbox failed to start: {type(e).__name__}: {e}"]
-
-
-def _probe_bwrap() -> str | None:
-    exe = shutil.which("bwrap")
-    if exe is None:
-        return "bubblewrap (bwrap) is not installed"
-    try:
-        out = subprocess.run([exe, "--ro-bind", "/", "/", "true"], capture_output=True,
-                             timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"bwrap failed to run: {e}"
-    return None if out.returncode == 0 else f"bwrap cannot run here: {out.stderr.decode().strip()}"
 
 
 def check_model(recipe: Recipe) -> Check:

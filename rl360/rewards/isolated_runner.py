@@ -18,6 +18,7 @@ builtins only makes its own calls fail. The parent reports one line per test on 
 """
 
 import builtins
+import ctypes
 import json
 import os
 import signal
@@ -392,8 +393,6 @@ def parent_main():
     sys.stdin.close()
     os.close(0)
     try:  # PR_SET_DUMPABLE = 4
-        import ctypes
-
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     except (OSError, AttributeError):
         pass

@@ -12,10 +12,11 @@ import pytest
 
 from rl360.envs.agent import ScriptedClient, run_episode
 from rl360.envs.api import open_sandbox
+from rl360.envs.code import CodeEnv
 from rl360.envs.harbor import HarborEnv
 from rl360.envs.tasks import load_harbor_task
 from rl360.envs.tools import ToolBox
-from rl360.types import FunctionCall, Message, ToolCall
+from rl360.types import FunctionCall, Message, Task, ToolCall
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "harbor"
@@ -63,9 +64,6 @@ async def test_reads_are_capped_and_never_block(backend, make_sandbox):
 
 async def test_killing_the_sandbox_is_a_scored_error(make_sandbox):
     """On the process backend the model can SIGKILL the exec server: that is its own failure."""
-    from rl360.envs.code import CodeEnv
-    from rl360.types import Task
-
     task = Task(id="t", prompt="p", data={"tests": ["assert True"]})
     client = ScriptedClient(
         [bash("kill -9 $PPID; sleep 5"), Message(role="assistant", content="x")]

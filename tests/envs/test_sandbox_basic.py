@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from rl360.envs import api
+from rl360.envs.code import CodeEnv
 from rl360.envs.sandbox import (
     ExecResult,
     SandboxError,
@@ -14,10 +16,12 @@ from rl360.envs.sandbox import (
     SandboxLimits,
     SandboxStartError,
     build_sandbox,
+    factory,
     resolve_backend,
     unavailable_reason,
 )
 from rl360.envs.sandbox.interp import reachable_by_others
+from rl360.recipe import EnvSection
 from rl360.types import Task
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,10 +123,6 @@ def test_factory_errors():
 def test_auto_never_downgrades_silently(monkeypatch):
     """Without bwrap, "auto" fails with the reason unless env.allow_unsandboxed is set; an
     explicit "process" stays allowed (it is a choice, not a downgrade)."""
-    from rl360.envs import api
-    from rl360.envs.code import CodeEnv
-    from rl360.envs.sandbox import factory
-
     monkeypatch.setitem(factory.AVAILABLE, "bwrap", lambda: "bwrap probe failed (test)")
     with pytest.raises(SandboxStartError, match="allow_unsandboxed"):
         resolve_backend("auto")
@@ -134,8 +134,6 @@ def test_auto_never_downgrades_silently(monkeypatch):
         api.open_sandbox(CodeEnv(), task, "auto")
     assert api.open_sandbox(CodeEnv(), task, "auto", allow_unsandboxed=True).backend == "process"
     assert api.open_sandbox(CodeEnv(), task, "process").backend == "process"
-    from rl360.recipe import EnvSection
-
     assert EnvSection().allow_unsandboxed is False
 
 

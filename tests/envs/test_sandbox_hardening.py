@@ -9,7 +9,11 @@ import socket
 
 import pytest
 
+from rl360.envs.agent import ScriptedClient, run_episode
+from rl360.envs.code import CodeEnv
+from rl360.envs.sandbox import SandboxStartError, cgroups
 from rl360.envs.sandbox.bwrap import SANDBOX_UID
+from rl360.types import Message, Task
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -84,8 +88,6 @@ for host in ("127.0.0.1", "10.0.2.2", "10.0.2.3", "169.254.169.254", "172.17.0.1
 async def test_sandbox_cannot_reach_host_loopback(bwrap_backend, make_sandbox, network):
     """A network=true sandbox (its own netns through a user-mode stack, or refused where none
     exists) cannot reach a service on the host's loopback; nor can a network=false one."""
-    from rl360.envs.sandbox import SandboxStartError
-
     async with _loopback_service() as (port, hits):
         sb = make_sandbox(bwrap_backend, network=network)
         try:
@@ -106,11 +108,6 @@ async def test_sandbox_cannot_reach_host_loopback(bwrap_backend, make_sandbox, n
 async def test_missing_protections_are_reported(bwrap_backend, make_sandbox, monkeypatch):
     """Without cgroups, memory falls back to RLIMIT_AS (it holds) and the process cap is
     reported missing: in protections, which run_episode copies into the episode's counters."""
-    from rl360.envs.agent import ScriptedClient, run_episode
-    from rl360.envs.code import CodeEnv
-    from rl360.envs.sandbox import cgroups
-    from rl360.types import Message, Task
-
     real = cgroups.SandboxCgroups.create
 
     def no_cgroups(*args, **kwargs):

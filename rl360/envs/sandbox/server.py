@@ -23,11 +23,13 @@ import json
 import os
 import resource
 import selectors
+import shutil
 import signal
 import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 HDR = struct.Struct(">I")
@@ -226,8 +228,6 @@ class Server:
         try:
             fd = os.memfd_create("rl360-stdin", os.MFD_CLOEXEC)
         except (AttributeError, OSError):
-            import tempfile
-
             fd = os.dup(tempfile.TemporaryFile(dir="/tmp").fileno())
         view = memoryview(data)
         while view:
@@ -257,8 +257,6 @@ class Server:
         return {"killed": killed, "swept": me == 1, "removed": removed}
 
     def empty_dir(self, d):
-        import shutil
-
         removed = 0
         try:
             names = os.listdir(d)
