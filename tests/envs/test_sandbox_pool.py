@@ -7,8 +7,11 @@ import asyncio
 
 import pytest
 
+from rl360.envs.agent import ScriptedClient, run_episode
+from rl360.envs.code import CodeEnv
 from rl360.envs.sandbox import SandboxLimits, build_sandbox
 from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
+from rl360.types import Message, Task
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,6 +52,22 @@ async def test_recycled_after_max_uses_and_exclusive(bwrap_backend):
         for i, res in enumerate(outs):
             assert res.stdout.split() == [str(i), "1"], res
         assert pool.counts["gradings"] == 4 and pool.counts["recycled"] == 2
+        await sb.close()
+    finally:
+        await pool.close()
+
+
+async def test_episode_on_a_pooled_sandbox(bwrap_backend):
+    """What an env actor does with a grading-only env: the episode sees the warm sandbox's
+    protections (none reported missing) and is graded there."""
+    pool = GradingPool(size=1, max_uses=10)
+    try:
+        sb = _view(pool, bwrap_backend)
+        task = Task(id="t", prompt="p", data={"tests": ["assert f() == 3"]})
+        client = ScriptedClient([Message(role="assistant", content="def f():\n    return 3")])
+        res = await run_episode(CodeEnv(), task, sb, client)
+        assert res.status == "ok" and res.reward.value == 1.0, res.reason
+        assert not [k for k in res.counters if k.startswith("sandbox_missing_")], res.counters
         await sb.close()
     finally:
         await pool.close()

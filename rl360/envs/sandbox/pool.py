@@ -49,7 +49,9 @@ class GradingPool:
         self.counts = {"gradings": 0, "recycled": 0, "anomalies": 0, "stray_procs": 0}
 
     @contextlib.asynccontextmanager
-    async def lease(self, key: str, make: Callable[[], Sandbox]) -> AsyncIterator[Lease]:
+    async def lease(
+        self, key: str, make: Callable[[], Sandbox], sweep: bool = True
+    ) -> AsyncIterator[Lease]:
         """Exclusive use of a warm sandbox for `key` (made with `make` when none is idle and
         fewer than `size` exist; otherwise wait for one)."""
         slot = self.slots.setdefault(key, _Slot())
@@ -69,7 +71,7 @@ class GradingPool:
             except SandboxError as e:
                 lease.anomaly = f"{type(e).__name__}: {e}"
                 raise
-            keep = await self._sweep(lease)
+            keep = await self._sweep(lease) if sweep else True
         finally:
             if not keep:
                 slot.count -= 1
@@ -136,7 +138,14 @@ class PooledSandbox(Sandbox):
             return await getattr(lease.sandbox, op)(*args, **kwargs)
 
     async def start(self) -> None:
+        """Start a warm sandbox (nothing runs in it) and take its protections as this view's."""
         self._check_open()
+        if self._started:
+            return
+        async with self._pool.lease(self._key, self._maker, sweep=False) as lease:
+            await lease.sandbox.start()
+            self.protections = lease.sandbox.protections
+        self._started = True
 
     async def exec(self, *args: Any, **kwargs: Any) -> ExecResult:  # type: ignore[override]
         return await self._run("exec", *args, **kwargs)
