@@ -122,6 +122,7 @@ class CodeEnv(Env):
             "per_test_timeout": self.per_test_timeout_s,
             "solution": code,
             "tests": units,
+            "entry_point": self.task.data.get("entry_point"),
             "source": RUNNER,
         }
         # per test: a child interpreter start (not counted in the per-test time: the runner

@@ -278,6 +278,20 @@ __builtins__ = {}
 check = lambda c: None
 """,
     },
+    "shadowing the test's builtins": {
+        "abs, sorted, len, isinstance": """
+abs = lambda x: 0
+sorted = lambda x, **k: [0, 2, 4]
+len = lambda x: 3
+isinstance = lambda *a: True
+def add_seven(x):
+    return -99
+def half(x):
+    return -1
+def evens(n):
+    return [9]
+""",
+    },
     "inherited fds": {
         "every fd": """
 import os
@@ -334,14 +348,31 @@ async def _grade(make_sandbox, backend: str, answer: str, task: Task = TASK, **k
 async def test_honest_solution_scores_one(bwrap_backend, make_sandbox):
     assert (await _grade(make_sandbox, bwrap_backend, HONEST)).value == 1.0
     assert (await _grade(make_sandbox, bwrap_backend, HONEST, HEVAL)).value == 1.0
+    r = await _grade(make_sandbox, bwrap_backend, BUILTINS_HONEST, BUILTINS_TASK)
+    assert r.value == 1.0, r.info
+
+
+BUILTINS_TASK = Task(
+    id="uses-builtins",
+    prompt="p",
+    data={
+        "tests": [
+            "assert abs(half(3) - 1.5) < 1e-9",
+            "assert sorted(evens(5)) == [0, 2, 4] and len(evens(5)) == 3",
+            "assert isinstance(half(2), float)",
+        ]
+    },
+)
+BUILTINS_HONEST = (
+    "def half(x):\n    return x / 2\ndef evens(n):\n    return [4, 2, 0][: (n + 1) // 2]"
+)
 
 
 @pytest.mark.parametrize("cheat", TABLE)
 async def test_cheat_scores_zero(bwrap_backend, make_sandbox, cheat):
-    r = await _grade(make_sandbox, bwrap_backend, cheat, per_test_timeout_s=1.0)
-    assert r.value == 0.0, r.info
-    r = await _grade(make_sandbox, bwrap_backend, cheat, HEVAL, per_test_timeout_s=1.0)
-    assert r.value == 0.0, r.info
+    for task in (TASK, HEVAL, BUILTINS_TASK):
+        r = await _grade(make_sandbox, bwrap_backend, cheat, task, per_test_timeout_s=1.0)
+        assert r.value == 0.0, (task.id, r.info)
 
 
 async def test_real_values_still_compare(bwrap_backend, make_sandbox):
