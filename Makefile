@@ -22,11 +22,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 sysdeps:
-	@if ! command -v bwrap >/dev/null 2>&1; then \
+	@if ! command -v bwrap >/dev/null 2>&1 || ! command -v slirp4netns >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) \
-	      || echo "could not install bubblewrap: sandboxes fall back to the process backend"; \
-	  else echo "bubblewrap missing and not root: sandboxes fall back to the process backend"; fi; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      bubblewrap slirp4netns iproute2) \
+	      || echo "could not install bubblewrap/slirp4netns: sandbox 'auto' will refuse to run"; \
+	  else echo "bubblewrap or slirp4netns missing and not root: sandbox 'auto' refuses to run" \
+	    "without bwrap; network = true is refused without slirp4netns"; fi; \
 	fi
 
 # a fresh RL run of the demo (the warm start is made once by `rl360 train` itself, then reused

@@ -136,6 +136,9 @@ class EnvSection(_S):
     max_consecutive_tool_failures: PosInt = 3
     max_tool_output_chars: PosInt = 8000  # a tool result longer than this is cut for the model
     limits: SandboxLimits = msgspec.field(default_factory=SandboxLimits)
+    # "auto" means bwrap or a clear failure; true lets "auto" fall back to the process backend
+    # (host user, host network and filesystem: no isolation at all) where bwrap cannot run
+    allow_unsandboxed: bool = False
 
 
 class SearchSection(_S):

@@ -12,7 +12,6 @@ the trainer rank that trains on them fetches them. Infrastructure failures come 
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import logging
@@ -27,6 +26,7 @@ from rl360.actors.session_client import SessionDirectory, ShardChatClient
 from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
 from rl360.envs.registry import build_env_for, resolve
+from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
 from rl360.recipe import EnvSection, SandboxLimits
 from rl360.types import EpisodeRecord, Task, Trajectory
 
@@ -56,24 +56,9 @@ class _LRU(collections.OrderedDict):  # type: ignore[type-arg]
             self.popitem(last=False)
 
 
-class _Throttled:
-    """A shared warm sandbox whose execs wait for a slot: a burst of gradings runs a few
-    processes at a time instead of hundreds that fight the engines for the CPU."""
-
-    def __init__(self, sandbox: Any, slots: asyncio.Semaphore) -> None:
-        self._sandbox, self._slots = sandbox, slots
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sandbox, name)
-
-    async def exec(self, *args: Any, **kwargs: Any) -> Any:
-        async with self._slots:
-            return await self._sandbox.exec(*args, **kwargs)
-
-
 class EnvActor:
-    WARM_SANDBOXES = 4  # per (backend, limits): shared by concurrent grading-only episodes
-    EXEC_SLOTS = 8  # concurrent execs in the warm sandboxes of one env actor
+    WARM_SANDBOXES = 8  # per (backend, limits): each serves one grading at a time
+    WARM_MAX_USES = 64  # gradings before a warm sandbox is replaced by a fresh one
 
     def __init__(self, env_cfg: EnvSection, sampling: dict[str, Any], shard_names: list[str],
                  namespace: str, base_url: str, services: dict[str, Any] | None = None) -> None:
@@ -87,28 +72,20 @@ class EnvActor:
         self.base_url = base_url
         self.running = 0
         self.verify_cache = _LRU(50_000)
-        self._warm: dict[str, list[Any]] = {}
-        self._warm_rr = itertools.count()
-        self._slots: asyncio.Semaphore | None = None
+        self.grading = GradingPool(self.WARM_SANDBOXES, self.WARM_MAX_USES)
 
-    def _sandbox_for(self, env: Any, task: Task, limits: SandboxLimits) -> tuple[Any, bool]:
-        """(sandbox, pooled): a warm shared one for envs that allow it, else a fresh one."""
+    def _sandbox_for(self, env: Any, task: Task, limits: SandboxLimits) -> Any:
+        """A view on the warm grading sandboxes (each op exclusive on one, swept after it,
+        recycled after N uses or an anomaly) for envs that allow reuse, else a fresh one."""
+
+        def make() -> Any:
+            return open_sandbox(env, task, self.cfg.sandbox, limits, self.cfg.allow_unsandboxed)
+
         if not getattr(env, "reuse_sandbox", False):
-            return open_sandbox(env, task, self.cfg.sandbox, limits), False
+            return make()
         spec = env.sandbox_spec(task, limits)
         key = msgspec.json.encode([self.cfg.sandbox, spec]).decode()
-        pool = self._warm.setdefault(key, [])
-        if len(pool) < self.WARM_SANDBOXES:
-            if self._slots is None:
-                self._slots = asyncio.Semaphore(self.EXEC_SLOTS)
-            pool.append(_Throttled(open_sandbox(env, task, self.cfg.sandbox, limits), self._slots))
-            return pool[-1], True
-        return pool[next(self._warm_rr) % len(pool)], True
-
-    def _drop_warm(self, sandbox: Any) -> None:
-        for pool in self._warm.values():
-            if sandbox in pool:
-                pool.remove(sandbox)
+        return PooledSandbox(self.grading, key, make)
 
     async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Trajectory:
         t0 = time.monotonic()
@@ -124,13 +101,11 @@ class EnvActor:
                 return _infra(task, group_id, f"could not open a session: {opened}", t0)
             token = opened["token"]
             limits = self.cfg.limits
-            sandbox = None
-            pooled = False
-            env = None
+            env = sandbox = None
             try:
                 env = build_env_for(self.cfg.env, self.cfg.params, task.kind)
                 env.services = self.services
-                sandbox, pooled = self._sandbox_for(env, task, limits)
+                sandbox = self._sandbox_for(env, task, limits)
                 if self.cfg.agent_fn:
                     client = _openai_client(self.base_url, sid, token)
                     result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
@@ -139,14 +114,11 @@ class EnvActor:
                     client = ShardChatClient(shard, sid, token, sampling or self.sampling)
                     result = await run_episode(env, task, sandbox, client, self.cfg,
                                                verify_cache=self.verify_cache)
-                if pooled and result.status == "infra_error":  # maybe a broken warm sandbox
-                    self._drop_warm(sandbox)
-                    pooled = False
             except (TaskRefused, ValueError) as exc:
                 await _safe_close(shard, sid, token)
                 return _infra(task, group_id, str(exc), t0)
             finally:
-                if sandbox is not None and not pooled:
+                if sandbox is not None:
                     await _quietly(sandbox.close())
                 if env is not None:
                     await _quietly(env.close())
@@ -175,10 +147,7 @@ class EnvActor:
         return self.running
 
     async def close(self) -> None:
-        for pool in self._warm.values():
-            for sb in pool:
-                await _quietly(sb.close())
-        self._warm.clear()
+        await _quietly(self.grading.close())
 
 
 async def _quietly(coro: Any) -> None:

@@ -8,9 +8,11 @@ result goes back as a "tool" message.
 
 Statuses: ok (final answer), truncated (max turns, or the final answer hit the token limit),
 timeout (the episode's wall-clock budget ran out), error (the model's fault: too many
-consecutive failing tool calls) are all verified and scored. infra_error (the sandbox could not
-start, the chat client raised or hung, the env or its verifier crashed) carries no reward: it
-must never be scored as 0.
+consecutive failing tool calls; the sandbox died during a model-issued command; the verifier
+found no reward after the agent ran, `ModelFault`) are all scored (error: reward 0 when
+verification is impossible). infra_error (the sandbox could not start, the chat client raised
+or hung, the env crashed) is only what the model cannot cause; it carries no reward and must
+never be scored as 0.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rl360.envs.api import Env
-from rl360.envs.sandbox import Sandbox
+from rl360.envs.api import Env, ModelFault
+from rl360.envs.sandbox import Sandbox, SandboxError
 from rl360.envs.tools import clip
 from rl360.recipe import EnvSection
 from rl360.types import EpisodeStatus, Message, Reward, Task, ToolSpec
@@ -86,6 +88,8 @@ async def run_episode(
 
     try:
         await sandbox.start()
+        for name in sandbox.protections.missing():  # into the run's metrics, never silent
+            counters[f"sandbox_missing_{name}"] = 1
         start = await asyncio.wait_for(env.setup(task, sandbox), cfg.call_timeout_s)
     except asyncio.CancelledError:
         raise
@@ -141,6 +145,12 @@ async def run_episode(
             except TimeoutError:
                 timed_out = True
                 break
+            except (SandboxError, ModelFault) as e:  # the model's own command broke it
+                return done(
+                    "error",
+                    f"sandbox died during tool {call.function.name!r}: {_why(e)}",
+                    Reward(value=0.0, components={"sandbox_died": 1.0}),
+                )
             except Exception as e:
                 return done("infra_error", f"tool {call.function.name!r} failed: {_why(e)}")
             content = clip(result.content, cfg.max_tool_output_chars)
@@ -175,6 +185,9 @@ async def run_episode(
         raise
     except TimeoutError:
         return done("infra_error", f"verifier exceeded {verify_limit:g}s")
+    except ModelFault as e:
+        reward = Reward(value=0.0, components={"verifier_no_reward": 1.0})
+        return done("error", f"verifier: {_why(e)}", reward)
     except Exception as e:
         return done("infra_error", f"verifier failed: {_why(e)}")
     timings["verify_s"] = time.monotonic() - t1

@@ -22,11 +22,18 @@ from typing import Any
 import msgspec
 
 from rl360.envs.sandbox import Sandbox, SandboxLimits, build_sandbox, unavailable_reason
+from rl360.envs.sandbox.factory import UNSANDBOXED_HINT
 from rl360.types import Message, Reward, Task, ToolCall, ToolSpec
 
 
 class TaskRefused(ValueError):
     """This task cannot run here (e.g. it needs its own container image and no Docker runs)."""
+
+
+class ModelFault(RuntimeError):
+    """A failure the model caused (its sandbox died during its own command, its work left the
+    verifier unable to write a reward): a scored failure (status error, reward 0), never an
+    unscored infra_error."""
 
 
 class EnvStart(msgspec.Struct, omit_defaults=True):
@@ -113,9 +120,12 @@ class Env(abc.ABC):
         return int((getattr(self, "counters", None) or {}).get(name, 0))
 
 
-def choose_backend(spec: SandboxSpec, backend: str, task: Task) -> str:
+def choose_backend(
+    spec: SandboxSpec, backend: str, task: Task, allow_unsandboxed: bool = False
+) -> str:
     """The backend to run `task` on: `backend` if it can, or for "auto" the first one of the
-    spec's backends (default bwrap, process) that works here. Raises TaskRefused naming the task."""
+    spec's backends (default bwrap, then process only with allow_unsandboxed) that works here.
+    Raises TaskRefused naming the task."""
     allowed = spec.backends or ["bwrap", "process"]
     if backend != "auto":
         if spec.backends is not None and backend not in spec.backends:
@@ -127,6 +137,9 @@ def choose_backend(spec: SandboxSpec, backend: str, task: Task) -> str:
             raise TaskRefused(f"task {task.id!r}: the {backend} sandbox is unavailable here: {why}")
         return backend
     reasons = []
+    if not allow_unsandboxed and "process" in allowed:
+        allowed = [b for b in allowed if b != "process"]
+        reasons.append(f"process: refused ({UNSANDBOXED_HINT})")
     for name in allowed:
         why = unavailable_reason(name)
         if why is None:
@@ -138,11 +151,15 @@ def choose_backend(spec: SandboxSpec, backend: str, task: Task) -> str:
 
 
 def open_sandbox(
-    env: Env, task: Task, backend: str = "auto", base: SandboxLimits | None = None
+    env: Env,
+    task: Task,
+    backend: str = "auto",
+    base: SandboxLimits | None = None,
+    allow_unsandboxed: bool = False,
 ) -> Sandbox:
     """Build (unstarted) the sandbox `env` asks for `task`, refusing up front what cannot run."""
     spec = env.sandbox_spec(task, base or SandboxLimits())
-    name = choose_backend(spec, backend, task)
+    name = choose_backend(spec, backend, task, allow_unsandboxed)
     options: dict[str, Any] = {}
     if spec.scratch_dirs:
         if name == "process":

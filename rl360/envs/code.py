@@ -2,10 +2,12 @@
 
 The model's final answer holds the code: the last ```python block (or the last untagged block,
 or an unterminated one), else the bare text when it looks like Python. The tests (assert lines,
-or one test-code string) run in the sandbox, each on its own with a per-test time limit, in one
-interpreter start. Reward: the configured reward function (default the fraction of tests
-passed), plus a format penalty when `format_penalty` > 0, with components tests_passed,
-all_pass and format. Every constructor parameter can be set from the recipe (`env.params`).
+or one test-code string) run in the sandbox, each on its own with a per-test time limit: the test
+code runs in a parent process that alone holds the report channel, the solution in a fresh child
+per test that only exchanges plain data with it (rl360/rewards/isolated_runner.py). Reward: the
+configured reward function (default the fraction of tests passed), plus a format penalty when
+`format_penalty` > 0, with components tests_passed, all_pass and format. Every constructor
+parameter can be set from the recipe (`env.params`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from pathlib import Path
 from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ToolResult
-from rl360.envs.sandbox import Sandbox, SandboxFileError
+from rl360.envs.sandbox import Sandbox
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
 from rl360.rewards import RewardContext, env_reward
@@ -26,49 +29,9 @@ _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.S)
 _LOOKS_LIKE_PY = re.compile(r"^\s*(def|class|import|from|return|lambda|print|async def)\b", re.M)
 
-# Runs inside the sandbox (stdlib only). Reads its spec file, deletes it, loads the solution,
-# then runs each test in a copy of the solution's namespace; reports "<nonce> <i> <0|1>" per
-# test on a dup of stdout taken before any user code ran.
-RUNNER = r"""
-import json, os, signal, sys
-def _main():
-    if sys.argv[1].startswith("{"):
-        spec = json.loads(sys.argv[1])
-    else:
-        with open(sys.argv[1]) as f:
-            spec = json.load(f)
-        os.unlink(sys.argv[1])
-    sys.argv[1:] = []
-    nonce, per = spec["nonce"], spec["per_test_timeout"]
-    out = os.fdopen(os.dup(1), "w")
-    def _alarm(*_):
-        raise TimeoutError("test exceeded %ss" % per)
-    signal.signal(signal.SIGALRM, _alarm)
-    ns = {"__name__": "solution"}
-    try:
-        signal.setitimer(signal.ITIMER_REAL, per)
-        exec(compile(spec["solution"], "solution.py", "exec"), ns)
-        loaded = True
-    except BaseException as e:
-        loaded = False
-        out.write("%s load %s: %s\n" % (nonce, type(e).__name__, str(e)[:200]))
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-    for i, test in enumerate(spec["tests"]):
-        ok, why = False, "not loaded"
-        if loaded:
-            try:
-                signal.setitimer(signal.ITIMER_REAL, per)
-                exec(compile(test, "test_%d" % i, "exec"), dict(ns))
-                ok, why = True, ""
-            except BaseException as e:
-                why = "%s: %s" % (type(e).__name__, str(e)[:200])
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        out.write("%s %d %d %s\n" % (nonce, i, int(ok), why.replace("\n", " ")))
-        out.flush()
-_main()
-"""
+# Runs inside the sandbox (stdlib only): the parent reads the spec from stdin, runs each test
+# itself against a fresh child process that holds the solution (see isolated_runner.py).
+RUNNER = (Path(__file__).parent.parent / "rewards" / "isolated_runner.py").read_text()
 
 
 def extract_code(text: str | None) -> str | None:
@@ -159,15 +122,16 @@ class CodeEnv(Env):
             "per_test_timeout": self.per_test_timeout_s,
             "solution": code,
             "tests": units,
+            "entry_point": self.task.data.get("entry_point"),
+            "source": RUNNER,
         }
-        spec_arg = f".rl360-verify-{nonce}.json"
-        try:
-            await self.sandbox.write_file(spec_arg, json.dumps(spec))
-        except SandboxFileError:  # e.g. the agent filled the disk: pass the spec inline
-            spec_arg = json.dumps(spec)
-        limit = self.per_test_timeout_s * (len(units) + 1) + 5.0
+        # per test: a child interpreter start (not counted in the per-test time: the runner
+        # allows it up to 30 s on a loaded host), then the solution's load and the test itself
+        limit = (self.per_test_timeout_s + 2.0) * (len(units) + 1) + 10.0
         res = await self.sandbox.exec(
-            ["python3", *self.python_flags, "-c", RUNNER, spec_arg], timeout=limit
+            ["python3", *self.python_flags, "-c", RUNNER, "parent"],
+            timeout=limit,
+            stdin=json.dumps(spec).encode(),
         )
         passed, notes = 0, []
         seen: set[int] = set()

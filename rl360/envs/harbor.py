@@ -1,8 +1,10 @@
 """HarborEnv: Harbor-format tasks (Terminal-Bench style). The agent works in the sandbox with
 the built-in tools; then tests/ is copied to /tests and `bash /tests/test.sh` runs as the
-verifier, which writes /logs/verifier/reward.txt (one number) or reward.json (a flat dict of
+verifier (after every process the agent left is killed and /logs and /tests are emptied and
+refilled: a clean room), which writes /logs/verifier/reward.txt (one number) or reward.json (a flat dict of
 named numbers; its "reward" entry, else the mean, is the value). The script's exit code is
-ignored. A verifier that writes no reward is a verifier failure (infra_error), not a 0.
+ignored. A verifier that writes no reward after the agent ran is the agent's doing (it can
+break what test.sh needs): a scored failure (status error, reward 0), not an infra_error.
 
 Sandbox: the task's memory, storage, cpus, network and timeouts are honoured; /logs, /tests
 and /solution are private writable dirs next to the work dir (default /app). A task with its
@@ -23,14 +25,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rl360.envs.api import Env, EnvStart, SandboxSpec, TaskRefused, ToolResult
+from rl360.envs.api import Env, EnvStart, ModelFault, SandboxSpec, TaskRefused, ToolResult
 from rl360.envs.sandbox import Sandbox, SandboxLimits
+from rl360.envs.sandbox.usernet import usernet_unavailable
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
 from rl360.rewards import FormatPenalty, RewardContext
 from rl360.types import Message, Reward, Task, ToolCall
 
 SCRATCH_DIRS = ["/logs", "/tests", "/solution"]
+REWARD_CAP = 65536  # bytes of reward.txt / reward.json read
 SYSTEM_PROMPT = (
     "You are working in a Linux sandbox; your work dir is {workdir}. Use the tools to inspect "
     "files, run commands and make changes. When the task is done, reply with a short summary "
@@ -38,8 +42,8 @@ SYSTEM_PROMPT = (
 )
 
 
-class VerifierError(RuntimeError):
-    """The task's verifier did not produce a reward."""
+class VerifierError(ModelFault):
+    """The task's verifier did not produce a (valid) reward after the agent ran."""
 
 
 def _host_files(root: Path) -> list[tuple[str, bytes, int]]:
@@ -136,6 +140,15 @@ class HarborEnv(Env):
                 image=d.get("docker_image"),
                 why=f"harbor task {task.id!r} needs its own container ({what})",
             )
+        no_usernet = usernet_unavailable() if limits.network else None
+        if no_usernet:
+            return SandboxSpec(
+                limits=limits,
+                workdir=workdir,
+                scratch_dirs=SCRATCH_DIRS,
+                backends=["docker"],
+                why=f"harbor task {task.id!r} needs the public network; bwrap: {no_usernet}",
+            )
         return SandboxSpec(
             limits=limits,
             workdir=workdir,
@@ -204,7 +217,10 @@ class HarborEnv(Env):
     async def verify(self) -> Reward:
         assert self.sandbox is not None and self.task is not None, "setup() first"
         sb = self.sandbox
-        # a clean /logs and /tests: the agent cannot pre-fill, block or starve the reward file
+        # clean room: every process the agent left (daemons included) dies first, then /logs
+        # and /tests are emptied and refilled, so nothing of the agent's can pre-fill, rewrite
+        # or block the reward file or the test script while the verifier runs
+        stray = await sb.sweep()
         await sb.exec(
             "chmod -R u+rwX /logs /tests 2>/dev/null; find /logs /tests -mindepth 1 -delete; "
             "mkdir -p /logs/verifier /logs/agent",
@@ -217,13 +233,14 @@ class HarborEnv(Env):
         tail = (res.stdout[-1500:] + res.stderr[-1500:]).strip()
         for kind in ("txt", "json"):
             try:
-                text = (await sb.read_file(f"/logs/verifier/reward.{kind}")).decode(
-                    errors="replace"
-                )
+                raw = await sb.read_file(f"/logs/verifier/reward.{kind}", max_bytes=REWARD_CAP)
+                text = raw.decode(errors="replace")
             except OSError:
                 continue
             reward = parse_reward(text, kind)
-            reward.info.update(verifier_exit_code=res.exit_code, verifier_output=tail)
+            reward.info.update(
+                verifier_exit_code=res.exit_code, verifier_output=tail, agent_procs_killed=stray
+            )
             return self._penalized(reward)
         why = "timed out" if res.timed_out else f"exited {res.exit_code}"
         raise VerifierError(

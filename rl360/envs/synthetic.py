@@ -15,8 +15,10 @@ from rl360.types import Message, Reward, Task
 
 class SyntheticEnv(Env):
     reuse_sandbox = True  # it never touches the sandbox
-    def __init__(self, median_s: float = 0.3, sigma: float = 1.0, max_s: float = 10.0,
-                 p_success: float = 0.5) -> None:
+
+    def __init__(
+        self, median_s: float = 0.3, sigma: float = 1.0, max_s: float = 10.0, p_success: float = 0.5
+    ) -> None:
         self.median_s, self.sigma, self.max_s, self.p = median_s, sigma, max_s, p_success
         self.rng = random.Random()
 

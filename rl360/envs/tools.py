@@ -14,6 +14,7 @@ from rl360.envs.api import ToolResult
 from rl360.envs.sandbox import ExecResult, Sandbox, SandboxFileError
 from rl360.types import FunctionSpec, ToolCall, ToolSpec
 
+EDIT_CAP = 1 << 20  # edit_file reads at most this much (a file, or /dev/zero, may be endless)
 ToolImpl = Callable[[Sandbox, dict[str, Any], "ToolBox"], Awaitable[ToolResult]]
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -101,7 +102,13 @@ async def _edit_file(sb: Sandbox, args: dict[str, Any], box: ToolBox) -> ToolRes
     path, old, new = args["path"], args["old_string"], args["new_string"]
     if not old:
         return ToolResult("error: old_string is empty", ok=False)
-    text = (await sb.read_file(path)).decode(errors="replace")
+    raw = await sb.read_file(path, max_bytes=EDIT_CAP + 1)
+    if len(raw) > EDIT_CAP:
+        return ToolResult(
+            f"error: {path} is larger than {EDIT_CAP} bytes; edit it with bash (sed, python)",
+            ok=False,
+        )
+    text = raw.decode(errors="replace")
     count = text.count(old)
     if count == 0:
         return ToolResult(f"error: old_string not found in {path}", ok=False)

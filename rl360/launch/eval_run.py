@@ -41,7 +41,8 @@ def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], li
     for t in tasks:
         try:
             env = build_env_for(recipe.env.env, recipe.env.params, t.kind)
-            choose_backend(env.sandbox_spec(t, recipe.env.limits), recipe.env.sandbox, t)
+            choose_backend(env.sandbox_spec(t, recipe.env.limits), recipe.env.sandbox, t,
+                           recipe.env.allow_unsandboxed)
             ok.append(t)
         except TaskRefused as exc:
             refused.append(str(exc))
@@ -73,6 +74,7 @@ def summarize(trajs: list[Trajectory], k: int) -> dict[str, Any]:
             "task": task_id,
             "n": n,
             "infra_errors": len(ts) - n,
+            "infra_rate": (len(ts) - n) / len(ts),  # of the attempts: unscored, never a 0
             "mean_reward": sum(t.reward.value for t in scored) / n if n else float("nan"),  # type: ignore[union-attr]
             "pass@1": c / n if n else float("nan"),
             f"pass@{k}": pass_at_k(n, c, min(k, n)) if n else float("nan"),
@@ -82,6 +84,7 @@ def summarize(trajs: list[Trajectory], k: int) -> dict[str, Any]:
         "tasks": len(rows),
         "episodes": len(trajs),
         "infra_errors": sum(r["infra_errors"] for r in rows),
+        "infra_rate": sum(r["infra_errors"] for r in rows) / len(trajs) if trajs else 0.0,
         "mean_reward": sum(r["mean_reward"] for r in valid) / len(valid) if valid else float("nan"),
         "pass@1": sum(r["pass@1"] for r in valid) / len(valid) if valid else float("nan"),
         f"pass@{k}": sum(r[f"pass@{k}"] for r in valid) / len(valid) if valid else float("nan"),
@@ -90,16 +93,18 @@ def summarize(trajs: list[Trajectory], k: int) -> dict[str, Any]:
 
 
 def format_table(summary: dict[str, Any], k: int) -> str:
-    head = f"{'task':<32} {'n':>3} {'infra':>5} {'reward':>7} {'pass@1':>7} {f'pass@{k}':>7}"
+    head = (f"{'task':<32} {'n':>3} {'infra':>5} {'infra%':>6} {'reward':>7} {'pass@1':>7} "
+            f"{f'pass@{k}':>7}")
     lines = [head, "-" * len(head)]
     for r in summary["rows"]:
         lines.append(f"{r['task'][:32]:<32} {r['n']:>3} {r['infra_errors']:>5} "
+                     f"{100 * r['infra_rate']:>5.1f}% "
                      f"{r['mean_reward']:>7.3f} {r['pass@1']:>7.3f} {r[f'pass@{k}']:>7.3f}")
     o = summary["overall"]
     lines.append("-" * len(head))
     lines.append(f"{'overall (' + str(o['tasks']) + ' tasks)':<32} {o['episodes']:>3} "
-                 f"{o['infra_errors']:>5} {o['mean_reward']:>7.3f} {o['pass@1']:>7.3f} "
-                 f"{o[f'pass@{k}']:>7.3f}")
+                 f"{o['infra_errors']:>5} {100 * o['infra_rate']:>5.1f}% {o['mean_reward']:>7.3f} "
+                 f"{o['pass@1']:>7.3f} {o[f'pass@{k}']:>7.3f}")
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ multi-node recipe's GPU check is skipped.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib.metadata
 import importlib.util
@@ -18,13 +19,14 @@ import os
 import re
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from rl360.envs.sandbox import SandboxLimits, build_sandbox
+from rl360.envs.sandbox import bwrap as bwrap_sandbox
 from rl360.launch.placement import PlacementError, is_cluster_recipe, plan_placement
 from rl360.launch.plan import live_nodes, resolve_nodes
 from rl360.policies.loading import cache_dir, smollm2_gguf_path
@@ -117,29 +119,46 @@ def check_support(recipe: Recipe) -> list[Check]:
     return [Check("support", "ok" if family else "warn", support_summary(recipe))]
 
 
-def check_sandbox() -> Check:
+def check_sandbox(recipe: Recipe | None = None) -> Check:
+    """Whether the configured sandbox runs here, and which of its protections hold: bwrap is
+    started once with the recipe's limits and every missing protection is named."""
+    backend = recipe.env.sandbox if recipe is not None else "auto"
+    allow = recipe.env.allow_unsandboxed if recipe is not None else False
+    why = bwrap_sandbox.bwrap_unavailable()
+    if backend not in ("auto", "bwrap"):
+        return _ok("sandbox", f"env.sandbox = {backend!r}")
+    if why is not None:
+        if backend == "auto" and allow:
+            return Check("sandbox", "warn", f"{why}; env.allow_unsandboxed = true: episodes run "
+                                            "UNSANDBOXED (process backend, no isolation)")
+        return _fail("sandbox", f"{why}; sandbox {backend!r} refuses to run: apt-get install "
+                                "bubblewrap (or env.allow_unsandboxed = true for no isolation)")
+    missing = _bwrap_missing(recipe)
+    if missing:
+        return Check("sandbox", "warn", "bwrap works; MISSING protections: " + "; ".join(missing))
+    return _ok("sandbox", "bwrap works: every protection holds (network, filesystem, procs, "
+                          "memory, cpu, disk, cleanup, helper)")
+
+
+def _bwrap_missing(recipe: Recipe | None) -> list[str]:
+    """Start one bwrap sandbox with the recipe's limits; the protections it lacks, with why."""
+    limits = SandboxLimits() if recipe is None else recipe.env.limits
+
+    async def probe() -> list[str]:
+        sb = build_sandbox("bwrap", limits)
+        try:
+            await sb.start()
+            cg = getattr(sb, "_cg", None)
+            why = dict(getattr(cg, "missing", {}) or {})
+            return [f"{name} ({why.get('pids' if name == 'procs' else name, 'not available')})"
+                    for name in sb.protections.missing()]
+        finally:
+            await sb.close()
+
     try:
-        from rl360.envs.sandbox.bwrap import bwrap_unavailable
-
-        why = bwrap_unavailable()
-    except ImportError:  # the sandbox package is being reworked: probe bwrap directly
-        why = _probe_bwrap()
-    if why is None:
-        return _ok("sandbox", "bwrap works: sandboxes use the bwrap backend")
-    return Check("sandbox", "warn", f"{why}; sandboxes fall back to the process backend "
-                                    "(weaker isolation): apt-get install bubblewrap")
-
-
-def _probe_bwrap() -> str | None:
-    exe = shutil.which("bwrap")
-    if exe is None:
-        return "bubblewrap (bwrap) is not installed"
-    try:
-        out = subprocess.run([exe, "--ro-bind", "/", "/", "true"], capture_output=True,
-                             timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"bwrap failed to run: {e}"
-    return None if out.returncode == 0 else f"bwrap cannot run here: {out.stderr.decode().strip()}"
+        return asyncio.run(probe())
+    except Exception as e:  # the probe itself failing is worth a line, not a traceback
+        return [f"a probe sandbox failed to start: {type(e).__name__}: {e}"]
 
 
 def check_model(recipe: Recipe) -> Check:
@@ -241,7 +260,7 @@ def run_preflight(recipe: Recipe, live: bool, address: str = "",
     ]
     address = address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "") or "auto"
     checks.append(check_placement(recipe, live, address))
-    checks.append(check_sandbox())
+    checks.append(check_sandbox(recipe))
     checks.append(check_model(recipe))
     checks.append(check_disk(recipe, min_free_gb))
     if live:

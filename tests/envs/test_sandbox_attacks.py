@@ -4,10 +4,8 @@ reason, never passes."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-import time
 import uuid
 from pathlib import Path
 
@@ -21,6 +19,13 @@ def _exists(path: str | Path) -> bool:
     return os.path.exists(path)
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -28,19 +33,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-async def test_fork_bomb(backend, make_sandbox, require, fresh_ok):
+async def test_fork_bomb(backend, make_sandbox, require, fresh_ok, wait_until):
     sb = make_sandbox(backend, max_procs=24, timeout=5)
     await sb.start()
     require(sb, "procs")
-    t0 = time.monotonic()
     res = await sb.exec("bomb() { bomb | bomb & }; bomb; sleep 1; echo parent-alive", timeout=4)
-    assert time.monotonic() - t0 < 8
     assert "Cannot fork" in res.stderr or "fork" in res.stderr.lower()
     assert len(await sb.host_pids()) <= 24 + 2  # the cap held (+ bwrap and the exec server)
     pids = await sb.host_pids()
     await sb.close()
-    await asyncio.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "fork bomb processes survived close"
+    gone = await wait_until(lambda: not [p for p in pids if _alive(p)])
+    assert gone, "fork bomb processes survived close"
     await fresh_ok(backend)
 
 
@@ -64,25 +67,25 @@ async def test_infinite_loop_cpu_limit(backend, make_sandbox, require, fresh_ok)
     sb = make_sandbox(backend, cpu_seconds=1, timeout=20)
     await sb.start()
     require(sb, "cpu")
-    t0 = time.monotonic()
     res = await sb.exec(["python3", "-I", "-S", "-c", "while True: pass"], timeout=20)
-    assert time.monotonic() - t0 < 6, "RLIMIT_CPU did not stop the loop"
-    assert res.exit_code in (-24, -9), res  # SIGXCPU, then SIGKILL at the hard limit
-    assert not res.timed_out
+    # RLIMIT_CPU, not the 20 s wall clock, stopped it: SIGXCPU (or SIGKILL at the hard limit)
+    assert not res.timed_out, "RLIMIT_CPU did not stop the loop"
+    assert res.exit_code in (-24, -9), res
     await fresh_ok(backend)
 
 
-async def test_wall_timeout_kills_process_tree(backend, make_sandbox, fresh_ok):
+async def test_wall_timeout_kills_process_tree(backend, make_sandbox, fresh_ok, wait_until):
     sb = make_sandbox(backend, timeout=20)
     await sb.start()
     before = set(await sb.host_pids())
-    t0 = time.monotonic()
     res = await sb.exec("sleep 30 & sleep 31 & sleep 32; echo never", timeout=1)
     assert res.timed_out and res.exit_code == -9
-    assert time.monotonic() - t0 < 3
     assert "never" not in res.stdout
-    await asyncio.sleep(0.1)
-    assert set(await sb.host_pids()) <= before, "the timed-out command's children survived"
+
+    async def only_before() -> bool:
+        return set(await sb.host_pids()) <= before
+
+    assert await wait_until(only_before), "the timed-out command's children survived"
     await fresh_ok(backend)
 
 
@@ -173,7 +176,7 @@ async def test_write_outside_workdir(backend, make_sandbox, require, tmp_path, f
     await fresh_ok(backend)
 
 
-async def test_background_process_gone_after_close(backend, make_sandbox, fresh_ok):
+async def test_background_process_gone_after_close(backend, make_sandbox, fresh_ok, wait_until):
     sb = make_sandbox(backend, timeout=10)
     await sb.start()
     daemon = (
@@ -185,21 +188,22 @@ async def test_background_process_gone_after_close(backend, make_sandbox, fresh_
         timeout=10,
     )
     assert "started" in res.stdout
-    await asyncio.sleep(0.2)
-    pids = await sb.host_pids()
-    sleepers = [p for p in pids if _alive(p) and "sleep" in " ".join(psutil.Process(p).cmdline())]
-    sleepers += [
-        p for p in pids if _alive(p) and "time.sleep" in " ".join(psutil.Process(p).cmdline())
-    ]
-    assert len(sleepers) >= 3, (pids, res)
+    pids: list[int] = []
+
+    async def three_sleepers() -> bool:
+        pids[:] = await sb.host_pids()
+        return len([p for p in pids if _alive(p) and "sleep" in _cmdline(p)]) >= 3
+
+    assert await wait_until(three_sleepers), (pids, res)
     await sb.close()
-    await asyncio.sleep(0.05)
-    assert not [p for p in pids if _alive(p)], "processes survived close"
+    assert await wait_until(lambda: not [p for p in pids if _alive(p)]), "processes survived close"
     assert await sb.host_pids() == []
     await fresh_ok(backend)
 
 
-async def test_env_clearing_daemon_gone_after_close(backend, make_sandbox, require, fresh_ok):
+async def test_env_clearing_daemon_gone_after_close(
+    backend, make_sandbox, require, fresh_ok, wait_until
+):
     """A daemon that drops its environment: only a pid namespace / cgroup catches it."""
     sb = make_sandbox(backend, timeout=10)
     await sb.start()
@@ -207,11 +211,15 @@ async def test_env_clearing_daemon_gone_after_close(backend, make_sandbox, requi
         pytest.skip(f"{backend} sandbox tracks processes by environment only (expected gap)")
     res = await sb.exec("env -i setsid sleep 303 >/dev/null 2>&1 & echo started", timeout=10)
     assert "started" in res.stdout
-    await asyncio.sleep(0.1)
-    pids = await sb.host_pids()
+    pids: list[int] = []
+
+    async def daemon_seen() -> bool:
+        pids[:] = await sb.host_pids()
+        return any("sleep 303" in _cmdline(p) for p in pids)
+
+    assert await wait_until(daemon_seen), pids
     await sb.close()
-    await asyncio.sleep(0.05)
-    assert not [p for p in pids if _alive(p)]
+    assert await wait_until(lambda: not [p for p in pids if _alive(p)])
     await fresh_ok(backend)
 
 

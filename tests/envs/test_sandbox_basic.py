@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from rl360.envs import api
+from rl360.envs.code import CodeEnv
 from rl360.envs.sandbox import (
     ExecResult,
     SandboxError,
@@ -14,10 +16,13 @@ from rl360.envs.sandbox import (
     SandboxLimits,
     SandboxStartError,
     build_sandbox,
+    factory,
     resolve_backend,
     unavailable_reason,
 )
-from rl360.envs.sandbox.interp import resolve_python
+from rl360.envs.sandbox.interp import reachable_by_others
+from rl360.recipe import EnvSection
+from rl360.types import Task
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,8 +95,11 @@ async def test_interpreter_is_resolved_binary(backend, make_sandbox):
     res = await sb.exec(
         ["python3", "-I", "-S", "-c", "import sys, os; print(os.path.realpath(sys.executable))"]
     )
-    assert res.stdout.strip() == resolve_python().executable
+    assert res.stdout.strip() == sb.python.executable
     assert "shims" not in res.stdout
+    if backend == "bwrap":  # reachable by the unprivileged sandbox uid, never via host root
+        assert reachable_by_others(sb.python.executable)
+        assert reachable_by_others(sb.python.prefix)
 
 
 async def test_closed_sandbox_refuses(backend, make_sandbox):
@@ -108,8 +116,25 @@ def test_factory_errors():
         build_sandbox("nope")
     with pytest.raises(ValueError, match="must be > 0"):
         SandboxLimits(memory_mb=0)
-    expected = "bwrap" if unavailable_reason("bwrap") is None else "process"
-    assert resolve_backend("auto") == expected
+    if unavailable_reason("bwrap") is None:
+        assert resolve_backend("auto") == "bwrap"
+
+
+def test_auto_never_downgrades_silently(monkeypatch):
+    """Without bwrap, "auto" fails with the reason unless env.allow_unsandboxed is set; an
+    explicit "process" stays allowed (it is a choice, not a downgrade)."""
+    monkeypatch.setitem(factory.AVAILABLE, "bwrap", lambda: "bwrap probe failed (test)")
+    with pytest.raises(SandboxStartError, match="allow_unsandboxed"):
+        resolve_backend("auto")
+    with pytest.raises(SandboxStartError, match="bwrap probe failed"):
+        build_sandbox("auto")
+    assert resolve_backend("auto", allow_unsandboxed=True) == "process"
+    task = Task(id="t", prompt="p", data={"tests": ["pass"]})
+    with pytest.raises(api.TaskRefused, match="allow_unsandboxed"):
+        api.open_sandbox(CodeEnv(), task, "auto")
+    assert api.open_sandbox(CodeEnv(), task, "auto", allow_unsandboxed=True).backend == "process"
+    assert api.open_sandbox(CodeEnv(), task, "process").backend == "process"
+    assert EnvSection().allow_unsandboxed is False
 
 
 async def test_bwrap_start_failure_is_clear(bwrap_backend):
@@ -159,7 +184,6 @@ def test_stale_cgroups_of_dead_owners_are_swept(tmp_path):
 def test_explicit_unavailable_backend_is_refused_with_reason(monkeypatch):
     from rl360.envs import api
     from rl360.envs.code import CodeEnv
-    from rl360.types import Task
 
     monkeypatch.setattr(api, "unavailable_reason", lambda name: "no engine")
     with pytest.raises(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rl360.launch.eval_run import pass_at_k, summarize, write_calibration
+from rl360.launch.eval_run import format_table, pass_at_k, summarize, write_calibration
 from rl360.recipe import decode_recipe
 from rl360.types import Reward, Task, Trajectory
 
@@ -30,6 +30,8 @@ def test_infra_errors_are_counted_not_scored() -> None:
     a = next(r for r in s["rows"] if r["task"] == "a")
     assert a["n"] == 2 and a["infra_errors"] == 1 and a["mean_reward"] == 0.5 and a["pass@1"] == 0.5
     assert s["overall"]["infra_errors"] == 1
+    assert a["infra_rate"] == pytest.approx(1 / 3)  # reported next to pass@k, per task
+    assert "infra%" in format_table(s, 2) and "33.3%" in format_table(s, 2)
 
 
 def test_calibration_keeps_tasks_inside_the_band(tmp_path: Path) -> None:

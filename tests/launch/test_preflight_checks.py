@@ -92,11 +92,17 @@ def test_ports_in_use() -> None:
 def test_sandbox_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     from rl360.envs.sandbox import bwrap
 
+    real = bwrap.bwrap_unavailable
     monkeypatch.setattr(bwrap, "bwrap_unavailable", lambda: "bubblewrap (bwrap) is not installed")
     c = check_sandbox()
-    assert c.status == "warn" and "fall back to the process backend" in c.detail
-    monkeypatch.setattr(bwrap, "bwrap_unavailable", lambda: None)
-    assert check_sandbox().status == "ok"
+    assert c.status == "fail" and "env.allow_unsandboxed" in c.detail  # no silent downgrade
+    c = check_sandbox(_recipe("env.allow_unsandboxed=true"))
+    assert c.status == "warn" and "UNSANDBOXED" in c.detail
+    monkeypatch.setattr(bwrap, "bwrap_unavailable", real)
+    if real() is None:  # a real bwrap sandbox: every protection it lacks is named
+        c = check_sandbox()
+        assert c.status in ("ok", "warn"), c
+        assert c.status == "ok" or "MISSING protections" in c.detail
 
 
 def test_gpu_recipe_without_a_cluster_is_skipped_not_failed() -> None:

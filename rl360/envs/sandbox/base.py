@@ -6,7 +6,8 @@ kills every process the sandbox started and frees what it used. Paths are inside
 a relative path is relative to `Sandbox.workdir`.
 
 The backends are listed in `rl360.envs.sandbox.factory.SANDBOXES`; `build_sandbox("auto",
-limits)` picks bwrap where bubblewrap works and the process fallback elsewhere.
+limits)` picks bwrap where bubblewrap works and fails elsewhere, unless `allow_unsandboxed` lets
+it fall back to the process backend.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import msgspec
 from rl360.recipe import SandboxLimits
 
 log = logging.getLogger(__name__)
+
+
+READ_CAP = 8 << 20  # the most bytes one read_file returns, whatever the caller asks for
 
 
 class SandboxError(RuntimeError):
@@ -89,9 +93,12 @@ class Sandbox(abc.ABC):
         timeout: float | None = None,  # noqa: ASYNC109  (the Sandbox contract)
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         """Run `cmd` (a string runs under /bin/sh -c) and wait for it, at most `timeout` seconds
-        (default limits.timeout), killing its process group when time is up."""
+        (default limits.timeout), killing its process group when time is up. `stdin` (bytes)
+        is what the command reads on its stdin (no file in the sandbox holds it); default
+        empty."""
 
     @abc.abstractmethod
     async def write_file(self, path: str, data: str | bytes, mode: int | None = None) -> None:
@@ -105,6 +112,12 @@ class Sandbox(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Kill every process of the sandbox and free its resources; idempotent."""
+
+    async def sweep(self, dirs: Sequence[str] = ()) -> int:
+        """Kill every process of the sandbox except its own helper and empty `dirs` (a clean
+        room before grading). Returns how many stray processes it killed. Must not run while
+        another exec of the same sandbox is in flight (that exec's processes die too)."""
+        raise SandboxError(f"{self.backend} sandbox cannot sweep its processes")
 
     async def host_pids(self) -> list[int]:
         """Host pids of the sandbox's processes right now (diagnostics and tests)."""

@@ -2,33 +2,41 @@
 
 One bwrap per sandbox runs the exec server (as the pid namespace's init, so sandboxed code
 cannot kill it) as uid 65534 with no capabilities, in fresh user,
-pid, ipc, uts, cgroup and (unless limits.network) network namespaces. It sees the system dirs and
+pid, ipc, uts, cgroup and network namespaces; network = true adds outbound access through
+slirp4netns with private ranges and the host blocked (usernet.py), or is refused where
+slirp4netns is missing. It sees the system dirs and
 the interpreter's prefix read-only, a RAM-backed work dir and /tmp capped by size, and a
 read-only root. A per-sandbox cgroup caps process count and memory (RLIMIT_NPROC does not hold
 inside a user namespace); each exec'd process gets RLIMIT_CPU. Closing kills bwrap, whose pid
 namespace takes every sandbox process with it, then sweeps the cgroup until it is empty.
 
-When this host process is root, bwrap's uid 65534 maps to host root (bwrap maps the caller's
-uid), so the launcher first drops to host uid 65534 with setpriv whenever everything bound in is
-reachable by that uid; otherwise it stays root-mapped with no capabilities and only read-only
-binds of system paths (logged once).
+When this host process is root, bwrap's uid 65534 would map to host root (bwrap maps the
+caller's uid), so the launcher always drops to host uid 65534 with setpriv first (no setpriv:
+the sandbox refuses to start). An interpreter that uid cannot reach (under /root) is replaced by
+a world-readable one (interp.sandbox_python); other binds it cannot reach refuse to start. Nested user namespaces are
+disabled (--disable-userns). Without a memory cgroup each process gets RLIMIT_AS instead;
+without a pids cgroup there is no process cap (RLIMIT_NPROC would count the whole host uid):
+both are reported in `protections` (and so in the run's metrics and `rl360 preflight`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import shlex
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 
-from rl360.envs.sandbox.base import SandboxLimits
+from rl360.envs.sandbox.base import SandboxError, SandboxLimits, SandboxStartError
 from rl360.envs.sandbox.cgroups import SandboxCgroups
 from rl360.envs.sandbox.channel import server_argv
-from rl360.envs.sandbox.interp import reachable_by_others, resolve_python
+from rl360.envs.sandbox.interp import reachable_by_others, sandbox_python
 from rl360.envs.sandbox.served import ServedSandbox, warn_once
+from rl360.envs.sandbox.usernet import SLIRP_DNS, UserNet, child_pid, usernet_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +143,10 @@ class BwrapSandbox(ServedSandbox):
                 )
         self.scratch_dirs = [os.path.normpath(d) for d in scratch_dirs]
         self.ro_binds = [os.path.realpath(p) for p in ro_binds]
-        self.python = resolve_python(python)
+        self.python = sandbox_python(python)
         self._cg: SandboxCgroups | None = None
+        self._resolv: str | None = None  # a host file bound as /etc/resolv.conf (network only)
+        self._net: UserNet | None = None
 
     def _binds(self) -> list[str]:
         return [
@@ -166,14 +176,14 @@ class BwrapSandbox(ServedSandbox):
             "--new-session",
             "--cap-drop",
             "ALL",
+            "--disable-userns",  # no nested user namespaces (a way to regain capabilities)
         ]
-        if not lim.network:
-            args.append("--unshare-net")
+        args.append("--unshare-net")  # always: the host's network namespace is never shared
         args += _system_binds()
-        if lim.network:
-            args += ["--ro-bind-try", "/etc/resolv.conf", "/etc/resolv.conf"]
         for p in self._binds():
             args += ["--ro-bind", p, p]
+        if self._resolv is not None:  # network = true: DNS through slirp4netns
+            args += ["--ro-bind", self._resolv, "/etc/resolv.conf"]
         args += ["--dev", "/dev", "--proc", "/proc"]
         for name in PROC_READONLY:
             args += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
@@ -195,10 +205,10 @@ class BwrapSandbox(ServedSandbox):
         }
         for k, v in env.items():
             args += ["--setenv", k, v]
-        config = {
-            "workdir": self.workdir,
-            "rlimits": {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0},
-        }
+        rlimits = {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0}
+        if self._cg is not None and "memory" not in self._cg.holds:  # no cgroup: per process
+            rlimits["RLIMIT_AS"] = (lim.memory_mb + 256) * mib
+        config = {"workdir": self.workdir, "rlimits": rlimits}
         args += ["--", *server_argv(self.python.executable, config)]
         if drop_uid:
             args = [
@@ -212,17 +222,33 @@ class BwrapSandbox(ServedSandbox):
 
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
         lim = self.limits
+        if lim.network:
+            why = usernet_unavailable()
+            if why:
+                raise SandboxStartError(f"bwrap sandbox: {why}")
+            fd, self._resolv = tempfile.mkstemp(prefix="rl360-resolv-", suffix=".conf")
+            with os.fdopen(fd, "w") as f:
+                f.write(f"nameserver {SLIRP_DNS}\n")
+            os.chmod(self._resolv, 0o644)
         self._cg = SandboxCgroups.create(
             self.sandbox_id,
             max_procs=lim.max_procs + BWRAP_OVERHEAD_PROCS,
             memory_mb=lim.memory_mb,
             cpus=lim.cpus,
         )
-        drop_uid = (
-            os.geteuid() == 0
-            and shutil.which("setpriv") is not None
-            and all(reachable_by_others(p) for p in self._binds())
-        )
+        drop_uid = os.geteuid() == 0
+        if drop_uid:
+            if shutil.which("setpriv") is None:
+                raise SandboxStartError(
+                    "bwrap sandbox: running as root needs setpriv (util-linux) to drop to uid "
+                    f"{SANDBOX_UID}; refusing to map the sandbox user to host root"
+                )
+            unreachable = [p for p in self._binds() if not reachable_by_others(p)]
+            if unreachable:
+                raise SandboxStartError(
+                    f"bwrap sandbox: {unreachable} not readable by uid {SANDBOX_UID}; "
+                    "make it world-readable (the sandbox never runs as host root)"
+                )
         argv = self._bwrap_argv(drop_uid)
         if self._cg.procs_files:
             joins = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in self._cg.procs_files)
@@ -235,13 +261,21 @@ class BwrapSandbox(ServedSandbox):
         assert cg is not None
         p = self.protections
         host_uid = SANDBOX_UID if drop_uid else os.geteuid()
-        p.network = "" if lim.network else "empty network namespace (bwrap --unshare-net)"
+        p.network = (
+            "own network namespace, outbound through slirp4netns; host loopback, link-local, "
+            "private ranges and the host's own addresses unreachable"
+            if lim.network
+            else "empty network namespace (bwrap --unshare-net)"
+        )
         p.filesystem = (
             f"only system dirs and the interpreter, read-only; uid {SANDBOX_UID} "
             f"(host uid {host_uid}), no capabilities"
         )
-        p.procs = cg.holds.get("pids", "")
-        p.memory = cg.holds.get("memory", "")
+        p.procs = cg.holds.get("pids", "")  # RLIMIT_NPROC counts the whole host uid: no use
+        p.memory = cg.holds.get("memory", "") or (
+            f"RLIMIT_AS {lim.memory_mb + 256} MiB per process (no memory cgroup: not the "
+            "sandbox total)"
+        )
         p.cpu = f"RLIMIT_CPU {lim.cpu_seconds}s per process" + (
             f", {cg.holds['cpu']}" if "cpu" in cg.holds else ""
         )
@@ -255,13 +289,22 @@ class BwrapSandbox(ServedSandbox):
         )
         for ctrl, why in cg.missing.items():
             warn_once(f"bwrap sandbox: no {ctrl} cap ({why})")
-        if os.geteuid() == 0 and not drop_uid:
-            warn_once(
-                "bwrap sandbox: processes map to host root (no capabilities, read-only binds only) "
-                f"because {self._binds()} is not reachable by uid {SANDBOX_UID}"
-            )
+
+    async def _after_ready(self) -> None:
+        if not self.limits.network:
+            return
+        assert self._proc is not None
+        self._net = UserNet()
+        await self._net.attach(child_pid(self._proc.pid))
 
     async def _teardown(self) -> None:
+        if self._net is not None:
+            await self._net.close()
+            self._net = None
+        if self._resolv is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._resolv)
+            self._resolv = None
         cg, self._cg = self._cg, None
         if cg is None:
             return
@@ -269,6 +312,14 @@ class BwrapSandbox(ServedSandbox):
             log.error("%s: processes left in its cgroup after kill: %s", self.sandbox_id, cg.pids())
         for err in cg.remove():
             log.error("%s: %s", self.sandbox_id, err)
+
+    async def sweep(self, dirs: Sequence[str] = ()) -> int:
+        self._check_open()
+        await self.start()
+        res = await self._channel().sweep(dirs)
+        if not res.get("swept"):
+            raise SandboxError(f"{self.sandbox_id}: the exec server is not its namespace's init")
+        return int(res.get("killed", 0))
 
     async def host_pids(self) -> list[int]:
         return self._cg.pids() if self._cg is not None else []

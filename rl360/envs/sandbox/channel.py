@@ -145,10 +145,12 @@ class ServerChannel:
         cwd: str | None,
         env: dict[str, str] | None,
         cap: int,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         t0 = time.monotonic()
         req = {"op": "exec", "argv": argv, "timeout": limit_s, "cwd": cwd, "env": env, "cap": cap}
-        header, blobs = await self.call(req, within_s=limit_s + EXEC_GRACE_S)
+        blobs_in = () if stdin is None else (stdin,)
+        header, blobs = await self.call(req, blobs_in, within_s=limit_s + EXEC_GRACE_S)
         if not header.get("ok"):
             raise SandboxError(f"{self.label}: exec failed: {header.get('error')}")
         return ExecResult(
@@ -171,6 +173,12 @@ class ServerChannel:
         if not header.get("ok"):
             raise _file_error("read", path, header)
         return blobs[0]
+
+    async def sweep(self, dirs: Sequence[str]) -> dict[str, Any]:
+        header, _ = await self.call({"op": "sweep", "dirs": list(dirs)}, (), 60.0)
+        if not header.get("ok"):
+            raise SandboxError(f"{self.label}: sweep failed: {header.get('error')}")
+        return header
 
     async def close(self) -> None:
         for task in (self._reader, self._err_reader):

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 
 from rl360.envs.sandbox.base import (
+    READ_CAP,
     ExecResult,
     Sandbox,
     SandboxError,
@@ -182,6 +183,7 @@ class DockerSandbox(Sandbox):
         timeout: float | None = None,  # noqa: ASYNC109  (the Sandbox contract)
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         self._check_open()
         await self.start()
@@ -191,7 +193,12 @@ class DockerSandbox(Sandbox):
             args += ["-e", f"{k}={v}"]
         t0 = time.monotonic()
         rc, out, err, timed_out = await self._run(
-            *args, self.container, *shell_argv(cmd), limit_s=t, cap=self.limits.output_bytes
+            *args,
+            self.container,
+            *shell_argv(cmd),
+            stdin=stdin,
+            limit_s=t,
+            cap=self.limits.output_bytes,
         )
         if timed_out:  # the exec'd tree lives on in the container: kill all but init
             await self._run("exec", self.container, "sh", "-c", "kill -9 -1", limit_s=10.0)
@@ -231,17 +238,26 @@ class DockerSandbox(Sandbox):
     async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         self._check_open()
         await self.start()
-        cmd = (
-            f"head -c {int(max_bytes)} {shlex.quote(path)}"
-            if max_bytes
-            else f"cat {shlex.quote(path)}"
-        )
+        limit = READ_CAP if max_bytes is None else min(int(max_bytes), READ_CAP)
+        cmd = f"head -c {limit} {shlex.quote(path)}"
         rc, out, err, _ = await self._run(
             "exec", "-w", self.workdir, self.container, "sh", "-c", cmd, cap=1 << 31
         )
         if rc != 0:
             raise SandboxFileError(f"read {path}: {err.data.decode(errors='replace').strip()}")
         return bytes(out.data)
+
+    async def sweep(self, dirs: Sequence[str] = ()) -> int:
+        self._check_open()
+        await self.start()
+        wipe = " ".join(
+            f"{shlex.quote(d.rstrip('/'))}/* {shlex.quote(d.rstrip('/'))}/.[!.]*" for d in dirs
+        )
+        script = "n=$(ps -e -o pid= 2>/dev/null | wc -l); kill -9 -1 2>/dev/null; "
+        script += f"rm -rf {wipe} 2>/dev/null; echo $n" if dirs else "echo $n"
+        _, out, _, _ = await self._run("exec", self.container, "sh", "-c", script, limit_s=60.0)
+        digits = out.data.decode(errors="replace").strip()
+        return max(0, int(digits) - 3) if digits.isdigit() else 0
 
     async def close(self) -> None:
         if self._closed:

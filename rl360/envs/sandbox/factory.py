@@ -7,6 +7,7 @@ list it in `SANDBOXES` and `AVAILABLE`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from rl360.envs.sandbox.docker import DockerSandbox, docker_unavailable
 from rl360.envs.sandbox.process import ProcessSandbox
 from rl360.recipe import SandboxLimits
 
+log = logging.getLogger(__name__)
 SandboxFactory = Callable[..., Sandbox]
 SANDBOXES: dict[str, SandboxFactory] = {
     "bwrap": BwrapSandbox,
@@ -41,24 +43,38 @@ def available_backends() -> list[str]:
     return [name for name in SANDBOXES if AVAILABLE[name]() is None]
 
 
-def resolve_backend(backend: str) -> str:
-    """ "auto" -> bwrap when bubblewrap works here, else process."""
+UNSANDBOXED_HINT = (
+    "set env.allow_unsandboxed = true to run on the process backend (no isolation), "
+    "or install bubblewrap"
+)
+
+
+def resolve_backend(backend: str, allow_unsandboxed: bool = False) -> str:
+    """ "auto" -> bwrap when bubblewrap works here; else "process" only with
+    allow_unsandboxed, otherwise SandboxStartError with the reason. Never a silent downgrade."""
     if backend != "auto":
         return backend
-    return "bwrap" if unavailable_reason("bwrap") is None else "process"
+    why = unavailable_reason("bwrap")
+    if why is None:
+        return "bwrap"
+    if not allow_unsandboxed:
+        raise SandboxStartError(f"sandbox 'auto': bwrap is unavailable ({why}); {UNSANDBOXED_HINT}")
+    log.warning("sandbox 'auto' runs UNSANDBOXED (process backend): bwrap unavailable: %s", why)
+    return "process"
 
 
 def build_sandbox(
     backend: str = "auto",
     limits: SandboxLimits | None = None,
     workdir: str | None = None,
+    allow_unsandboxed: bool = False,
     **options: Any,
 ) -> Sandbox:
     """Build an (unstarted) sandbox. `workdir` is the writable directory where commands start:
     a path inside the sandbox for bwrap/docker (default /sandbox), a host directory for the
     process backend (default a fresh private temp dir). Backend options (e.g. scratch_dirs,
     image) pass through."""
-    name = resolve_backend(backend)
+    name = resolve_backend(backend, allow_unsandboxed)
     if name not in SANDBOXES:
         raise ValueError(f"unknown sandbox backend {backend!r}; known: auto, {sorted(SANDBOXES)}")
     why = AVAILABLE[name]()

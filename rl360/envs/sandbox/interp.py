@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 
 
@@ -72,3 +74,62 @@ def reachable_by_others(path: str) -> bool:
         if mode & need != need:
             return False
     return True
+
+
+COPY_ROOT = "/var/cache/rl360"  # root-owned, world-readable: where interpreter copies live
+_SKIP = {"site-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip"}
+
+
+def _copy_interpreter(info: PythonInfo, root: str) -> PythonInfo:
+    """A world-readable copy of `info`'s binary, shared library and stdlib (no site-packages,
+    no tests), made once per host under `root` (written to a temp dir, then renamed)."""
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    name = os.path.basename(info.executable)
+    tag = hashlib.sha256(info.executable.encode()).hexdigest()[:12]
+    dest = os.path.join(root, f"python-{ver}-{tag}")
+    exe = os.path.join(dest, "bin", name)
+    if not os.path.exists(exe):
+        os.makedirs(root, mode=0o755, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".python-", dir=root)
+        os.makedirs(os.path.join(tmp, "bin"))
+        shutil.copy2(info.executable, os.path.join(tmp, "bin", name))
+        os.symlink(name, os.path.join(tmp, "bin", "python3"))
+        lib = os.path.join(info.prefix, "lib")
+        os.makedirs(os.path.join(tmp, "lib"))
+        for entry in os.listdir(lib):
+            if entry.startswith("libpython"):
+                shutil.copy2(os.path.join(lib, entry), os.path.join(tmp, "lib", entry))
+        shutil.copytree(
+            os.path.join(lib, f"python{ver}"),
+            os.path.join(tmp, "lib", f"python{ver}"),
+            symlinks=True,
+            ignore=lambda d, names: [n for n in names if n in _SKIP],
+        )
+        for dirpath, _dirs, files in os.walk(tmp):
+            os.chmod(dirpath, 0o755)
+            for f in files:
+                p = os.path.join(dirpath, f)
+                if not os.path.islink(p):
+                    os.chmod(p, 0o755 if os.access(p, os.X_OK) else 0o644)
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PythonInfo(executable=exe, prefix=dest)
+
+
+@functools.cache
+def sandbox_python(preferred: str | None = None, root: str = COPY_ROOT) -> PythonInfo:
+    """The interpreter a sandbox running as an unprivileged uid can reach: `resolve_python`'s
+    when everything of it is world-readable, else the system python of the same version, else a
+    world-readable copy under `root` (e.g. a pyenv python under /root, mode 700)."""
+    info = resolve_python(preferred)
+    if reachable_by_others(info.executable) and reachable_by_others(info.prefix):
+        return info
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    system = f"/usr/bin/python{ver}"
+    if preferred is None and _is_binary(os.path.realpath(system)):
+        real = os.path.realpath(system)
+        if reachable_by_others(real):
+            return PythonInfo(executable=real, prefix=_prefix_of(real))
+    return _copy_interpreter(info, root)

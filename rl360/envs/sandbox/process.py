@@ -5,7 +5,8 @@ each exec'd process gets its own session and the rlimits a process may always lo
 address space (memory per process) and file size (per file). It does NOT isolate the network
 or the filesystem, cannot cap the process count (RLIMIT_NPROC counts every process of the host
 user and root ignores it), cannot cap total disk use, and cannot keep the commands from killing
-its exec server (which then fails the episode as an infra error); it says so in a warning.
+its exec server with SIGKILL (it ignores every other signal; a killed server is the model's own
+failure: a scored error); it says so in a warning.
 On close it kills the server's and each exec's process group, then every process still
 carrying the sandbox's id in its environment.
 """
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Sequence
 
 from rl360.envs.sandbox.base import SandboxLimits
 from rl360.envs.sandbox.channel import server_argv
@@ -91,7 +93,7 @@ class ProcessSandbox(ServedSandbox):
         warn_once(
             f"process sandbox (uid {os.geteuid()}): NO network isolation, NO filesystem isolation, "
             "NO process-count cap, memory capped per process only (RLIMIT_AS), disk capped per "
-            "file only (RLIMIT_FSIZE), exec server killable by the commands; install bubblewrap "
+            "file only (RLIMIT_FSIZE), exec server killable (SIGKILL) by the commands; install bubblewrap "
             "for the bwrap sandbox"
         )
         return argv, env, self.workdir
@@ -113,6 +115,25 @@ class ProcessSandbox(ServedSandbox):
             )
         if self._own_workdir and self.workdir:
             await asyncio.to_thread(shutil.rmtree, self.workdir, True)
+
+    async def sweep(self, dirs: Sequence[str] = ()) -> int:
+        self._check_open()
+        await self.start()
+        server = self._proc.pid if self._proc is not None else -1
+        killed = 0
+        for _ in range(50):
+            pids = [p for p in await asyncio.to_thread(_marked_pids, self.sandbox_id)]
+            pids = [p for p in pids if p != server]
+            if not pids:
+                break
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+            await asyncio.sleep(0.02)
+        if dirs:
+            await self._channel().sweep(dirs)  # not init here: empties the dirs only
+        return killed
 
     async def host_pids(self) -> list[int]:
         return await asyncio.to_thread(_marked_pids, self.sandbox_id)

@@ -55,6 +55,10 @@ class ServedSandbox(Sandbox):
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
         """Set up host-side resources; return (argv, env, cwd) that start the exec server."""
 
+    async def _after_ready(self) -> None:
+        """Host-side set-up that needs the running sandbox (e.g. its network); raise to fail
+        the start."""
+
     @abc.abstractmethod
     async def _teardown(self) -> None:
         """Kill every remaining process and free host-side resources (after the server died)."""
@@ -82,7 +86,8 @@ class ServedSandbox(Sandbox):
                 )
                 self._chan = ServerChannel(self._proc, self.sandbox_id)
                 await self._chan.wait_ready(START_TIMEOUT_S)
-            except (OSError, SandboxError, ValueError) as e:
+                await self._after_ready()
+            except (OSError, SandboxError, ValueError, RuntimeError) as e:
                 await self._kill_and_teardown()
                 self._closed = True
                 if isinstance(e, SandboxStartError):
@@ -106,13 +111,16 @@ class ServedSandbox(Sandbox):
         timeout: float | None = None,  # noqa: ASYNC109  (the Sandbox contract)
         cwd: str | None = None,
         env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
     ) -> ExecResult:
         self._check_open()
         await self.start()
         t = float(timeout) if timeout is not None else self.limits.timeout
         if t <= 0:
             raise ValueError(f"exec timeout must be > 0, got {timeout}")
-        return await self._channel().exec(shell_argv(cmd), t, cwd, env, self.limits.output_bytes)
+        return await self._channel().exec(
+            shell_argv(cmd), t, cwd, env, self.limits.output_bytes, stdin
+        )
 
     async def write_file(self, path: str, data: str | bytes, mode: int | None = None) -> None:
         self._check_open()

@@ -12,23 +12,35 @@ sandboxed code cannot ptrace it.
 
 Frame (both directions): 4-byte big-endian header length, the JSON header, then the raw bytes
 of each blob whose lengths the header lists under "blobs".
-Requests: {"id", "op": "ping" | "exec" | "write" | "read", ...}.
+Requests: {"id", "op": "ping" | "exec" | "write" | "read" | "sweep", ...}. An exec's optional
+blob is its stdin (a memfd: no path names it). Reads return at most READ_CAP bytes. The server
+ignores every signal it can (SIGKILL and SIGSTOP cannot be); its commands get the defaults back.
 """
 
 import ctypes
+import errno
 import json
 import os
 import resource
 import selectors
+import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 HDR = struct.Struct(">I")
 DRAIN_S = 0.05  # after the main process exits, how long to wait for pipes held by its children
 CHUNK = 65536
+READ_CAP = 8 << 20  # the most one read op returns, whatever the caller asks (/dev/zero exists)
+# every signal the server can ignore: as pid 1 of its namespace, signals from inside are
+# dropped by the kernel anyway; on the process backend this keeps a stray kill from ending it
+IGNORED_SIGNALS = [
+    s for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD)
+]
 
 
 class Capped:
@@ -92,6 +104,11 @@ class Server:
         os.set_blocking(wfd, False)
         signal.set_wakeup_fd(wfd)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        for sig in IGNORED_SIGNALS:
+            try:
+                signal.signal(sig, signal.SIG_IGN)
+            except (OSError, ValueError):
+                pass
         self.sel.register(rfd, selectors.EVENT_READ, ("sig", None))
         self.sigfd = rfd
         self.by_pid = {}
@@ -141,21 +158,29 @@ class Server:
             if op == "ping":
                 self.send({"id": rid, "ok": True, "pid": os.getpid()})
             elif op == "exec":
-                self.start_exec(rid, req)
+                self.start_exec(rid, req, blobs[0] if blobs else None)
+            elif op == "sweep":
+                self.send({"id": rid, "ok": True, **self.sweep(req.get("dirs") or [])})
             elif op == "write":
                 path = self.path(req["path"])
                 parent = os.path.dirname(path)
                 if parent:
                     os.makedirs(parent, exist_ok=True)
-                with open(path, "wb") as f:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC
+                with self.regular(path, flags, "wb") as f:
                     f.write(blobs[0] if blobs else b"")
                 if req.get("mode") is not None:
                     os.chmod(path, int(req["mode"]))
                 self.send({"id": rid, "ok": True})
             elif op == "read":
                 limit = req.get("max")
-                with open(self.path(req["path"]), "rb") as f:
-                    data = f.read() if limit is None else f.read(int(limit))
+                limit = READ_CAP if limit is None else min(int(limit), READ_CAP)
+                flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+                with self.regular(self.path(req["path"]), flags, "rb") as f:
+                    data = f.read(limit + 1)
+                if len(data) > limit:
+                    self.send({"id": rid, "ok": True, "truncated": True}, [data[:limit]])
+                    return
                 self.send({"id": rid, "ok": True}, [data])
             else:
                 self.send({"id": rid, "ok": False, "error": f"unknown op {op!r}"})
@@ -167,6 +192,11 @@ class Server:
             self.send({"id": rid, "ok": False, "error": f"{type(e).__name__}: {e}"})
 
     def child_setup(self):
+        for sig in IGNORED_SIGNALS:  # exec'd commands get the default dispositions back
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
         for res, val in self.rlimits:
             _, hard = resource.getrlimit(res)
             want_hard = val + 1 if res == resource.RLIMIT_CPU else val
@@ -180,16 +210,81 @@ class Server:
             except OSError:
                 pass
 
-    def start_exec(self, rid, req):
+    def regular(self, path, flags, mode):
+        """Open `path` without blocking (a FIFO would stall the whole server) and only when it
+        is a regular file (not /dev/zero, a FIFO or a socket)."""
+        fd = os.open(path, flags, 0o644)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, mode)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def stdin_fd(self, data):
+        """A file holding `data` that no path names (memfd), for a child's stdin."""
+        try:
+            fd = os.memfd_create("rl360-stdin", os.MFD_CLOEXEC)
+        except (AttributeError, OSError):
+            fd = os.dup(tempfile.TemporaryFile(dir="/tmp").fileno())
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    def sweep(self, dirs):
+        """Kill every other process this server can see (as the pid namespace's init: all of
+        the sandbox's) and empty `dirs`. Returns what it found."""
+        me, killed = os.getpid(), 0
+        for _ in range(20 if me == 1 else 0):
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except OSError:
+                    pass
+            time.sleep(0.005)
+            self.reap()
+        removed = 0
+        for d in dirs:
+            removed += self.empty_dir(d)
+        return {"killed": killed, "swept": me == 1, "removed": removed}
+
+    def empty_dir(self, d):
+        removed = 0
+        try:
+            names = os.listdir(d)
+        except OSError:
+            return 0
+        for name in names:
+            p = os.path.join(d, name)
+            try:
+                if os.path.isdir(p) and not os.path.islink(p):
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    os.unlink(p)
+                removed += 1
+            except OSError:
+                pass
+        return removed
+
+    def start_exec(self, rid, req, stdin=None):
         argv = req["argv"]
         env = dict(os.environ)
         env.update(req.get("env") or {})
         cwd = self.path(req.get("cwd") or self.workdir)
         cap = int(req.get("cap", 65536))
+        in_fd = self.stdin_fd(stdin) if stdin is not None else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
                 argv,
-                stdin=subprocess.DEVNULL,
+                stdin=in_fd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 cwd=cwd,
@@ -203,6 +298,9 @@ class Server:
             msg = f"cannot run {argv[0]!r} (cwd {cwd}): {e}\n".encode()
             self.send({"id": rid, "ok": True, "rc": code, "timed_out": False}, [b"", msg])
             return
+        finally:
+            if stdin is not None:
+                os.close(in_fd)
         job = Job(rid, proc, float(req.get("timeout", 30.0)), cap)
         for name, pipe in (("out", proc.stdout), ("err", proc.stderr)):
             fd = pipe.fileno()

@@ -1,0 +1,73 @@
+"""Warm grading sandboxes: exclusive per op, swept after each, retired on an anomaly (a process
+that outlived its grading) or after max_uses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rl360.envs.agent import ScriptedClient, run_episode
+from rl360.envs.code import CodeEnv
+from rl360.envs.sandbox import SandboxLimits, build_sandbox
+from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
+from rl360.types import Message, Task
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _view(pool: GradingPool, backend: str) -> PooledSandbox:
+    return PooledSandbox(pool, "k", lambda: build_sandbox(backend, SandboxLimits()))
+
+
+async def test_files_are_swept_and_daemons_retire_the_sandbox(bwrap_backend):
+    pool = GradingPool(size=1, max_uses=10)
+    try:
+        sb = _view(pool, bwrap_backend)
+        await sb.exec("echo secret > left.txt; echo t > /tmp/t.txt", timeout=20)
+        first = pool.slots["k"].idle[0].sandbox
+        res = await sb.exec("ls -A; ls -A /tmp", timeout=20)
+        assert "left.txt" not in res.stdout and "t.txt" not in res.stdout
+        assert pool.slots["k"].idle[0].sandbox is first  # clean: kept warm
+        await sb.exec("setsid sh -c 'sleep 1000' >/dev/null 2>&1 < /dev/null &", timeout=20)
+        assert pool.counts["anomalies"] == 1 and pool.counts["stray_procs"] >= 1
+        assert not pool.slots["k"].idle  # retired, not returned
+        res = await sb.exec("ps -e -o comm= | grep -c sleep || true", timeout=20)
+        assert res.stdout.strip() == "0"
+        assert pool.slots["k"].idle[0].sandbox is not first
+        await sb.close()
+    finally:
+        await pool.close()
+
+
+async def test_recycled_after_max_uses_and_exclusive(bwrap_backend):
+    pool = GradingPool(size=2, max_uses=2)
+    try:
+        sb = _view(pool, bwrap_backend)
+        # four concurrent gradings on two sandboxes: each sees only its own file
+        script = "echo $1 > mine; sleep 0.2; cat mine; ls | wc -l"
+        outs = await asyncio.gather(
+            *(sb.exec(["sh", "-c", script, "x", str(i)], timeout=20) for i in range(4))
+        )
+        for i, res in enumerate(outs):
+            assert res.stdout.split() == [str(i), "1"], res
+        assert pool.counts["gradings"] == 4 and pool.counts["recycled"] == 2
+        await sb.close()
+    finally:
+        await pool.close()
+
+
+async def test_episode_on_a_pooled_sandbox(bwrap_backend):
+    """What an env actor does with a grading-only env: the episode sees the warm sandbox's
+    protections (none reported missing) and is graded there."""
+    pool = GradingPool(size=1, max_uses=10)
+    try:
+        sb = _view(pool, bwrap_backend)
+        task = Task(id="t", prompt="p", data={"tests": ["assert f() == 3"]})
+        client = ScriptedClient([Message(role="assistant", content="def f():\n    return 3")])
+        res = await run_episode(CodeEnv(), task, sb, client)
+        assert res.status == "ok" and res.reward.value == 1.0, res.reason
+        assert not [k for k in res.counters if k.startswith("sandbox_missing_")], res.counters
+        await sb.close()
+    finally:
+        await pool.close()
