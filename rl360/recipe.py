@@ -68,6 +68,17 @@ class EngineSection(_S):
     # node, so engine.num_gpus >= tensor_parallel; expert_parallel splits MoE experts inside it
     tensor_parallel: Annotated[int, Meta(ge=1, le=64)] = 1
     expert_parallel: Annotated[int, Meta(ge=1, le=64)] = 1
+    # how weights change under running sequences: "inflight" swaps between two decode steps
+    # (a sequence may span versions; every token carries its own), "drain" lets running
+    # sequences finish first; "auto" = inflight on the torch backend, drain on vllm/sglang
+    weight_update: Literal["auto", "inflight", "drain"] = "auto"
+    # torch backend: MB of K/V that finished sequences leave for the next turn (LRU); 0 = off
+    prefix_cache_mb: Annotated[float, Meta(ge=0.0, le=1048576.0)] = 256.0
+
+    def __post_init__(self) -> None:
+        if self.weight_update == "inflight" and self.backend in ("vllm", "sglang"):
+            raise ValueError(f"weight_update = 'inflight' needs backend = 'torch' ({self.backend} "
+                             "drains running sequences; use 'drain' or 'auto')")
 
 
 class ServeSection(_S):

@@ -28,15 +28,28 @@ def test_every_recipe_decodes(path: Path) -> None:
          "model.dtype: expected one of 'bfloat16', 'float16', 'float32', got 'int4'"),
         ("serve.port=70000", "serve.port: expected an int in [1, 65535], got 70000"),
         ("trainer.loss.tis_cap=0.5", "trainer.loss.tis_cap: expected 0 (off) or >= 1, got 0.5"),
+        ("engine.weight_update='sometimes'",
+         "engine.weight_update: expected one of 'auto', 'drain', 'inflight', got 'sometimes'"),
+        ("engine.weight_update='inflight'",  # the default backend is torch: fine
+         None),
         ("train.weight_sync.transport='mpi'",
          "train.weight_sync.transport: unknown weight_sync 'mpi' (choose from object_store, "
          "collective)"),
     ],
 )
-def test_bad_values_name_the_key_and_range(override: str, expected: str) -> None:
+def test_bad_values_name_the_key_and_range(override: str, expected: str | None) -> None:
+    if expected is None:
+        decode_recipe(apply_overrides({}, [override]))
+        return
     with pytest.raises(RecipeError) as err:
         decode_recipe(apply_overrides({}, [override]))
     assert expected in str(err.value)
+
+
+def test_inflight_weight_updates_need_the_torch_engine() -> None:
+    with pytest.raises(RecipeError, match="engine: weight_update = 'inflight' needs backend = 'torch'"):
+        decode_recipe({"engine": {"backend": "vllm", "weight_update": "inflight"}})
+    assert decode_recipe({"engine": {"backend": "sglang"}}).engine.weight_update == "auto"
 
 
 def test_set_overrides_any_field(tmp_path: Path) -> None:

@@ -1,33 +1,46 @@
-"""The reference engine backend: any HF causal LM in plain torch.
+"""The reference engine backend: Llama-shaped HF causal LMs in plain torch, batched
+continuously.
 
-Requests that arrive together are batched by a small micro-batcher (one named background
-task): it waits up to `batch_wait_ms` for more requests, left-pads the prompts and decodes
-them together with a KV cache, dropping rows from the batch as they finish. Weights change
-only between batches, under the same lock that a batch holds, so a sequence never mixes
-versions. The returned logprob of each token is its log-probability under the distribution
-it was sampled from (after temperature, top-k and top-p; the raw distribution for greedy).
+One named background task runs the engine loop. Between two decode steps it applies a
+pending weight update, drops cancelled rows, and admits waiting requests into free rows of the
+running batch (an idle engine first waits up to `batch_wait_ms` for company); then one step
+runs on the engine's thread: a prefill of the newly admitted rows (prompt suffixes past a
+prefix-cache hit, grouped by length) and one decode token for every other row. Rows that
+finish leave at once; the K/V cache is the engine's own (`torch_model.SlotKV`), and finished
+sequences leave their K/V in an LRU prefix cache (`prefix_cache.PrefixCache`) for the next turn.
+
+Weight updates: `weight_update = "inflight"` swaps weights between two decode steps without
+waiting for running sequences, so a sequence may span versions and each token carries the
+version that sampled it (`Generation.token_versions`); `"drain"` stops admitting, waits until
+the running rows finish, then swaps (every sequence has one version). Either way the prefix
+cache is cleared. The logprob of each token is its log-probability under the distribution it
+was sampled from (after temperature, top-k and top-p; the raw distribution for greedy).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import random
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rl360.policies.devices import place_for_generation, select_device
-from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
+from rl360.serve.engines.prefix_cache import PrefixCache
+from rl360.serve.engines.sampling import processed_logprobs, sample_rows
+from rl360.serve.engines.torch_model import LlamaRunner
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.torch")
+
+__all__ = ["TorchBackend", "load_causal_lm", "processed_logprobs", "split_by_length"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,21 +53,32 @@ class _Request:
     generator: torch.Generator | None = None
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
+    out_versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     stop_kind: str = ""
     stop_string: str | None = None
+    kv_len: int = 0  # positions of this row's slot holding valid K/V
+    prefix_len: int = 0  # of those, reused from the prefix cache
+    prefix_kv: Any = None  # the prefix cache's K/V for it, until loaded into its slot
+    joined_step: int = -1  # engine step that prefilled it
+    t_last: float = 0.0  # when its newest token was sampled
 
 
-def load_causal_lm(model: str, dtype: str, num_gpus: float = 0.0) -> tuple[Any, Any]:
-    """The model (on the reserved GPU when num_gpus > 0, see rl360.policies.devices) and
-    its tokenizer."""
+@dataclass
+class _Update:
+    version: int
+    state: Any
+    done: asyncio.Future[bool]
+
+
+def load_causal_lm(model: str, dtype: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    placement = select_device(num_gpus, dtype, gpus_key="engine.num_gpus", dtype_key="model.dtype")
+    from rl360.policies.loading import resolve_model_path
+
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
-    lm = place_for_generation(lm, placement)
     lm.eval()
     return lm, tok
 
@@ -69,23 +93,34 @@ class TorchBackend:
         if engine.threads > 0:
             torch.set_num_threads(engine.threads)
         self.engine_cfg, self.model_cfg = engine, model_cfg
+        # "auto" is in-flight here (the recipe refuses "inflight" for backends that drain)
+        self.weight_update = "drain" if engine.weight_update == "drain" else "inflight"
         if model is None:
-            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype, engine.num_gpus)
+            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype)
         self.model = model
         self.tokenizer = tokenizer
-        self.pad_id = _pad_id(model, tokenizer)
-        # transformers renamed the KV-cache argument (past_key_values -> cache)
-
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.runner = LlamaRunner(model)
+        self.prefix = PrefixCache(int(engine.prefix_cache_mb * 2**20))
         self._version = 0
-        self._queue: asyncio.Queue[_Request] | None = None
+        self._waiting: deque[_Request] = deque()
+        self._rows: list[_Request] = []  # row i lives in KV slot i
+        self._updates: deque[_Update] = deque()
+        self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        self._lock: asyncio.Lock | None = None
-        self._running: asyncio.Event | None = None
+        self._paused = False
         self._rng = random.Random(seed)
         self._failure: BaseException | None = None
-        self._stats = {"batches": 0, "requests": 0, "tokens": 0, "busy_s": 0.0, "updates": 0}
+        self._stats: dict[str, Any] = {
+            "batches": 0, "steps": 0, "requests": 0, "tokens": 0, "cancelled": 0,
+            "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_swap_s": 0.0,
+            "sync_pause_max_s": 0.0,
+        }
+        self.step_times: deque[float] = deque(maxlen=4096)  # seconds of the latest steps
+        # per in-flight swap with rows running: {"version", "swap_s", "pause_s", "step_s"}
+        # (pause: the longest gap between two tokens of a row across it; step: the step after)
+        self.sync_log: deque[dict[str, float]] = deque(maxlen=256)
+        # running rows' token times just before the last in-flight swap (pause measurement)
+        self._pause_probe: tuple[dict[int, float], float] | None = None
         # all model work on ONE long-lived thread: torch's intra-op pool and the allocator's
         # arenas are per calling thread, and hopping between executor threads made a batch
         # ~15x slower (and the process 4 GB larger) inside a Serve replica
@@ -101,50 +136,47 @@ class TorchBackend:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         check_prompt(prompt_ids, self.model_cfg.max_model_len)
         self._ensure_started()
-        assert self._queue is not None
+        assert self._wake is not None
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(list(prompt_ids), sampling, fut))
-        return await fut
+        self._waiting.append(_Request(list(prompt_ids), sampling, fut))
+        self._wake.set()
+        return await fut  # cancelling the caller cancels fut: its row leaves at the next step
 
     async def update_weights(self, version: int, state: Any) -> bool:
         self._ensure_started()
-        assert self._lock is not None
+        assert self._wake is not None
         if hasattr(state, "__await__") and not isinstance(state, dict):
             state = await state  # a Ray ObjectRef
-        async with self._lock:  # between batches, never inside one
-            if version <= self._version:
-                log.warning(
-                    "ignoring weight update to version %d: this replica already serves %d",
-                    version,
-                    self._version,
-                )
-                return False
-            t0 = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._load_state, state)
-            self._version = version
-            self._stats["updates"] += 1
-            log.info("weights -> version %d in %.3fs", version, time.perf_counter() - t0)
-            return True
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._updates.append(_Update(version, state, done))
+        self._wake.set()
+        return await done
 
     async def pause(self) -> None:
         self._ensure_started()
-        assert self._running is not None
-        self._running.clear()
+        self._paused = True
 
     async def resume(self) -> None:
         self._ensure_started()
-        assert self._running is not None
-        self._running.set()
+        assert self._wake is not None
+        self._paused = False
+        self._wake.set()
 
     def health(self) -> dict[str, Any]:
         return {
             "ok": self._failure is None,
             "error": repr(self._failure) if self._failure else None,
             "version": self._version,
-            "paused": self._running is not None and not self._running.is_set(),
-            "queued": self._queue.qsize() if self._queue is not None else 0,
+            "paused": self._paused,
+            "queued": len(self._waiting),
+            "running": len(self._rows),
+            "weight_update": self.weight_update,
             "uptime_s": time.monotonic() - self._started,
             "torch_threads": torch.get_num_threads(),
+            "kv_bytes": self.runner.kv.nbytes,
+            "prefix_entries": len(self.prefix),
+            "prefix_bytes": self.prefix.nbytes,
+            **self.prefix.stats,
             **self._stats,
         }
 
@@ -153,20 +185,16 @@ class TorchBackend:
             self._task.cancel()
         self._executor.shutdown(wait=False)
 
-    # ------------------------------------------------------------------ batching
+    # ------------------------------------------------------------------ the engine loop
 
     def _ensure_started(self) -> None:
         if self._task is not None and not self._task.done():
             return
         if self._failure is not None:
-            raise RuntimeError(f"engine batch loop failed earlier: {self._failure!r}")
-        self._queue = self._queue or asyncio.Queue()
-        self._lock = self._lock or asyncio.Lock()
-        if self._running is None:
-            self._running = asyncio.Event()
-            self._running.set()
+            raise RuntimeError(f"engine loop failed earlier: {self._failure!r}")
+        self._wake = self._wake or asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(
-            self._batch_loop(), name="rl360-torch-engine-batcher"
+            self._engine_loop(), name="rl360-torch-engine-loop"
         )
         self._task.add_done_callback(self._on_loop_done)
 
@@ -176,58 +204,111 @@ class TorchBackend:
         exc = task.exception()
         if exc is not None:
             self._failure = exc
-            log.error("engine batch loop died: %r", exc)
+            log.error("engine loop died: %r", exc)
+            for r in list(self._waiting) + self._rows:
+                if not r.future.done():
+                    r.future.set_exception(RuntimeError(f"engine loop died: {exc!r}"))
 
-    async def _batch_loop(self) -> None:
-        assert self._queue is not None and self._lock is not None and self._running is not None
-        wait_s = self.engine_cfg.batch_wait_ms / 1000.0
+    async def _engine_loop(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
         while True:
-            first = await self._queue.get()
-            batch = [first]
-            deadline = time.monotonic() + wait_s
-            while len(batch) < self.engine_cfg.max_batch_size:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0 and self._queue.empty():
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), max(timeout, 0)))
-                except TimeoutError:
-                    break
-            await self._running.wait()
-            async with self._lock:
-                version = self._version
-                t0 = time.perf_counter()
-                try:
-                    # similar prompt lengths together: one long prompt must not left-pad a
-                    # hundred short ones to its length (memory and time grow with the pad)
-                    for chunk in split_by_length(batch):
-                        await asyncio.get_running_loop().run_in_executor(
-                            self._executor, self._generate_batch, chunk
-                        )
-                except Exception as exc:  # a bad batch fails its requests, not the loop
-                    log.exception("generation failed for a batch of %d", len(batch))
-                    for r in batch:
-                        if not r.future.done():
-                            r.future.set_exception(exc)
-                    continue
-                self._stats["busy_s"] += time.perf_counter() - t0
-            self._stats["batches"] += 1
-            for r in batch:
-                self._stats["requests"] += 1
-                self._stats["tokens"] += len(r.out_ids)
-                if r.future.done():  # the caller went away
-                    continue
-                r.future.set_result(
-                    Generation(
-                        token_ids=r.out_ids,
-                        logprobs=r.out_logprobs,
-                        finish_reason=r.finish_reason,  # type: ignore[arg-type]
-                        policy_version=version,
-                        token_versions=[version] * len(r.out_ids),
-                        stop_kind=r.stop_kind,
-                        stop_string=r.stop_string,
-                    )
-                )
+            await self._apply_updates()
+            gone = [i for i, r in enumerate(self._rows) if r.future.done()]
+            admit = self._admit()
+            if not admit and not self._rows:
+                self._wake.clear()
+                if (self._waiting and not self._paused) or self._updates:
+                    continue  # something became possible while we looked
+                await self._wake.wait()
+                if not self._rows and self._waiting and self.engine_cfg.batch_wait_ms > 0:
+                    await asyncio.sleep(self.engine_cfg.batch_wait_ms / 1000.0)  # gather company
+                continue
+            t0 = time.perf_counter()
+            try:
+                done = await loop.run_in_executor(self._executor, self._step, gone, admit, self._version)
+            except Exception as exc:  # a failed step fails its rows, not the engine
+                log.exception("engine step failed with %d rows", len(self._rows) + len(admit))
+                for r in self._rows + admit:
+                    if not r.future.done():
+                        r.future.set_exception(exc)
+                self._rows = []
+                await loop.run_in_executor(self._executor, self.runner.kv.release)
+                continue
+            dt = time.perf_counter() - t0
+            self._stats["busy_s"] += dt
+            self._stats["last_step_s"] = dt
+            self.step_times.append(dt)
+            self._stats["cancelled"] += len(gone)
+            self._stats["batches"] += bool(admit)
+            self._measure_pause(done, dt)
+            for r in done:
+                self._finish(r)
+
+    def _admit(self) -> list[_Request]:
+        blocked = self._paused or (self._updates and self.weight_update == "drain")
+        admit: list[_Request] = []
+        free = self.engine_cfg.max_batch_size - len(self._rows)
+        while self._waiting and not blocked and len(admit) < free:
+            r = self._waiting.popleft()
+            if not r.future.done():
+                admit.append(r)
+        return admit
+
+    async def _apply_updates(self) -> None:
+        while self._updates:
+            if self.weight_update == "drain" and self._rows:
+                return  # admissions are closed; the running rows finish first
+            u = self._updates.popleft()
+            if u.version <= self._version:
+                log.warning("ignoring weight update to version %d: this replica already serves %d",
+                            u.version, self._version)
+                u.done.set_result(False)
+                continue
+            before = {id(r): r.t_last for r in self._rows}
+            t0 = time.perf_counter()
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, self._load_state, u.state)
+            except Exception as exc:
+                u.done.set_exception(exc)
+                continue
+            swap = time.perf_counter() - t0
+            self._version = u.version
+            self.prefix.clear()  # its K/V came from the old weights
+            self._stats["updates"] += 1
+            self._stats["last_swap_s"] = swap
+            if before:
+                self._pause_probe = (before, swap)
+            log.info("weights -> version %d in %.3fs (%d rows running)", u.version, swap, len(before))
+            u.done.set_result(True)
+
+    def _measure_pause(self, done: list[_Request], step_s: float) -> None:
+        """The longest gap between two tokens of a sequence that ran across the last swap."""
+        if self._pause_probe is None:
+            return
+        before, swap = self._pause_probe
+        self._pause_probe = None
+        gaps = [r.t_last - before[id(r)] for r in self._rows + done if id(r) in before]
+        if gaps:
+            self._stats["sync_pause_max_s"] = max(self._stats["sync_pause_max_s"], max(gaps))
+            self.sync_log.append({"version": self._version, "swap_s": swap,
+                                  "pause_s": max(gaps), "step_s": step_s})
+
+    def _finish(self, r: _Request) -> None:
+        self._stats["requests"] += 1
+        self._stats["tokens"] += len(r.out_ids)
+        if r.future.done():  # the caller went away
+            return
+        r.future.set_result(Generation(
+            token_ids=r.out_ids,
+            logprobs=r.out_logprobs,
+            finish_reason=r.finish_reason,  # type: ignore[arg-type]
+            policy_version=r.out_versions[-1] if r.out_versions else self._version,
+            token_versions=r.out_versions,
+            stop_kind=r.stop_kind,
+            stop_string=r.stop_string,
+            mixed_versions=len(set(r.out_versions)) > 1,
+        ))
 
     # ------------------------------------------------------------------ model work (thread)
 
@@ -243,117 +324,95 @@ class TorchBackend:
             for k, v in state.items():
                 own[k].copy_(torch.as_tensor(v).to(own[k].dtype))
 
-    @torch.no_grad()
-    def _generate_batch(self, batch: list[_Request]) -> None:
-        from transformers import DynamicCache
+    @torch.inference_mode()  # the slot cache's tensors are inference tensors: all work on them here
+    def _step(self, gone: list[int], admit: list[_Request], version: int) -> list[_Request]:
+        """One engine step; returns the rows that finished (already removed)."""
+        self._remove(gone)
+        old = len(self._rows)
+        step = self._stats["steps"]
+        self._stats["steps"] = step + 1
+        if old:  # one decode token for every running row
+            logits = self.runner.forward(0, [[r.out_ids[-1]] for r in self._rows],
+                                         [r.kv_len for r in self._rows])
+            for r in self._rows:
+                r.kv_len += 1
+            self._sample_into(self._rows, logits, version)
+        if admit:  # prefill the new rows, similar suffix lengths together
+            for r in admit:
+                seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(62)
+                r.generator = torch.Generator().manual_seed(seed)
+                r.joined_step = step
+                r.prefix_len, r.prefix_kv = self.prefix.lookup(r.prompt_ids)
+            first = old
+            for chunk in split_by_length(admit, key=lambda r: len(r.prompt_ids) - r.prefix_len):
+                self.runner.kv.ensure(first + len(chunk), max(len(r.prompt_ids) for r in chunk))
+                for i, r in enumerate(chunk):
+                    if r.prefix_kv is not None:
+                        self.runner.kv.load(first + i, r.prefix_kv, r.prefix_len)
+                        r.prefix_kv = None
+                logits = self.runner.forward(
+                    first, [r.prompt_ids[r.prefix_len:] for r in chunk], [r.prefix_len for r in chunk])
+                for r in chunk:
+                    r.kv_len = len(r.prompt_ids)
+                self._sample_into(chunk, logits, version)
+                self._rows.extend(chunk)
+                first += len(chunk)
+        done = [i for i, r in enumerate(self._rows) if r.finish_reason]
+        finished = [self._rows[i] for i in done]
+        for i in done:
+            r = self._rows[i]
+            if self.prefix.budget and r.kv_len >= self.prefix.min_tokens:
+                self.prefix.insert((r.prompt_ids + r.out_ids)[: r.kv_len], self.runner.kv.export(i, r.kv_len))
+        self._remove(done)
+        return finished
 
-        for r in batch:
-            seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(62)
-            r.generator = torch.Generator().manual_seed(seed)
-        lens = [len(r.prompt_ids) for r in batch]
-        width = max(lens)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, r in enumerate(batch):
-            ids[i, width - lens[i] :] = torch.tensor(r.prompt_ids)
-            attn[i, width - lens[i] :] = 1
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        out = self.model(
-            input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-            **{self._cache_kw: cache},
-        )
-        logits = out.logits[:, -1, :].float()
-        active = list(range(len(batch)))  # row i of the live tensors -> batch index
-        next_pos = pos[:, -1] + 1
-        while True:
-            next_tokens = []
-            keep = []
-            for row, bi in enumerate(active):
-                r = batch[bi]
-                tok, lp = _sample(logits[row], r.sampling, r.generator)
-                r.out_ids.append(tok)
-                r.out_logprobs.append(lp)
-                if not self._finished(r, lens[bi]):
-                    keep.append(row)
-                    next_tokens.append(tok)
-            if not keep:
-                return
-            if len(keep) < len(active):
-                idx = torch.tensor(keep)
-                cache.batch_select_indices(idx)
-                attn = attn[idx]
-                next_pos = next_pos[idx]
-                active = [active[k] for k in keep]
-            attn = torch.cat([attn, torch.ones((len(active), 1), dtype=attn.dtype)], dim=1)
-            out = self.model(
-                input_ids=torch.tensor(next_tokens).unsqueeze(1),
-                attention_mask=attn,
-                position_ids=next_pos.unsqueeze(1),
-                use_cache=True,
-                **{self._cache_kw: cache},
-            )
-            next_pos = next_pos + 1
-            logits = out.logits[:, -1, :].float()
+    def _remove(self, idx: list[int]) -> None:
+        """Drop rows (by index) and keep the rest packed: the last row moves into each hole."""
+        for i in sorted(idx, reverse=True):
+            last = len(self._rows) - 1
+            if i != last:
+                self.runner.kv.move(last, i, self._rows[last].kv_len)
+                self._rows[i] = self._rows[last]
+            self._rows.pop()
 
-    def _finished(self, r: _Request, prompt_len: int) -> bool:
+    def _sample_into(self, rows: list[_Request], logits: torch.Tensor, version: int) -> None:
+        picks = sample_rows(logits, [r.sampling for r in rows], [r.generator for r in rows])
+        now = time.perf_counter()
+        for r, (tok, lp) in zip(rows, picks, strict=True):
+            r.out_ids.append(tok)
+            r.out_logprobs.append(lp)
+            r.out_versions.append(version)
+            r.t_last = now
+            self._check_finished(r)
+
+    def _check_finished(self, r: _Request) -> None:
         s = r.sampling
         tok = r.out_ids[-1]
         if tok in s.stop_token_ids:
             r.finish_reason, r.stop_kind = "stop", "stop_token"
-            return True
-        if tok in s.eos_token_ids:
+        elif tok in s.eos_token_ids:
             r.finish_reason, r.stop_kind = "stop", "eos"
-            return True
-        if s.stop and self.tokenizer is not None:
-            hit = _find_stop_string(self.tokenizer, r.out_ids, s.stop)
-            if hit is not None:
-                r.finish_reason, r.stop_kind, r.stop_string = "stop", "stop_string", hit
-                return True
-        if len(r.out_ids) >= s.max_tokens or prompt_len + len(r.out_ids) >= self.model_cfg.max_model_len:
+        elif s.stop and self.tokenizer is not None and (
+                hit := _find_stop_string(self.tokenizer, r.out_ids, s.stop)) is not None:
+            r.finish_reason, r.stop_kind, r.stop_string = "stop", "stop_string", hit
+        elif (len(r.out_ids) >= s.max_tokens
+              or len(r.prompt_ids) + len(r.out_ids) >= self.model_cfg.max_model_len):
             r.finish_reason = "length"
-            return True
-        return False
 
 
-def split_by_length(batch: list[_Request], slack: float = 1.5, extra: int = 32) -> list[list[_Request]]:
-    """Sort by prompt length and cut where the longest prompt of a chunk would exceed
-    `slack` x its shortest + `extra` tokens."""
+def split_by_length(batch: list[_Request], slack: float = 1.5, extra: int = 32,
+                    key: Callable[[_Request], int] = lambda r: len(r.prompt_ids)
+                    ) -> list[list[_Request]]:
+    """Sort by length (prompt length unless `key` says otherwise) and cut where the longest
+    of a chunk would exceed `slack` x its shortest + `extra` tokens: one long prompt must not
+    right-pad a hundred short ones to its length in a prefill."""
     chunks: list[list[_Request]] = []
-    for r in sorted(batch, key=lambda r: len(r.prompt_ids)):
-        if chunks and len(r.prompt_ids) <= slack * len(chunks[-1][0].prompt_ids) + extra:
+    for r in sorted(batch, key=key):
+        if chunks and key(r) <= slack * key(chunks[-1][0]) + extra:
             chunks[-1].append(r)
         else:
             chunks.append([r])
     return chunks
-
-
-def _sample(
-    logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None
-) -> tuple[int, float]:
-    if sp.temperature <= 0.0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    logp = processed_logprobs(logits, sp)
-    tok = int(torch.multinomial(logp.exp(), 1, generator=gen))
-    return tok, float(logp[tok])
-
-
-def processed_logprobs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Logprobs of the distribution a token is sampled from (temperature > 0): temperature,
-    then top-k, then top-p (the token that crosses p is kept)."""
-    scaled = logits / sp.temperature
-    if sp.top_k and 0 < sp.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, sp.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if sp.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs >= sp.top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        scaled = torch.full_like(scaled, float("-inf")).scatter(0, order, sorted_logits)
-    return torch.log_softmax(scaled, dim=-1)
 
 
 def _find_stop_string(tokenizer: Any, out_ids: list[int], stops: list[str]) -> str | None:
@@ -362,14 +421,3 @@ def _find_stop_string(tokenizer: Any, out_ids: list[int], stops: list[str]) -> s
     # (checked after every token, so an earlier occurrence would already have stopped us)
     tail = tokenizer.decode(out_ids[-(longest + 8) :], skip_special_tokens=False)
     return next((s for s in stops if s in tail), None)
-
-
-def _pad_id(model: Any, tokenizer: Any) -> int:
-    for cand in (
-        getattr(tokenizer, "pad_token_id", None),
-        getattr(model.config, "pad_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if isinstance(cand, int):
-            return cand
-    return 0

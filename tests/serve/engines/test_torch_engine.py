@@ -22,6 +22,15 @@ def make_backend(lm, **kw) -> TorchBackend:  # type: ignore[no-untyped-def]
     return TorchBackend(EngineSection(**kw), ModelSection(), model=model, tokenizer=tok)
 
 
+async def until(cond) -> None:  # type: ignore[no-untyped-def]
+    """Yield to the engine loop until `cond()` holds (an event, not a timing)."""
+    for _ in range(100_000):
+        if cond():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition never held")
+
+
 def teacher_forced_logprobs(model, prompt: list[int], out: list[int]) -> list[float]:  # type: ignore[no-untyped-def]
     ids = torch.tensor([prompt + out])
     with torch.no_grad():
@@ -91,17 +100,18 @@ async def test_stops_by_token_string_and_length(lm, tiny_tokenizer) -> None:  # 
 
 async def test_weight_updates_are_versioned_and_never_go_back(lm, caplog) -> None:  # type: ignore[no-untyped-def]
     model, tok = load_causal_lm(str(lm[0].name_or_path), "float32")
-    be = TorchBackend(EngineSection(), ModelSection(), model=model, tokenizer=tok)
+    be = TorchBackend(EngineSection(weight_update="drain"), ModelSection(), model=model, tokenizer=tok)
     sp = SamplingParams(temperature=0.0, max_tokens=8)
     before = await be.generate([1, 2, 3], sp)
     assert before.token_versions == [0] * 8
     new_state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    # an update issued while a batch runs waits for the batch: the batch is all version 0
+    # draining: an update issued while a sequence runs waits for it: it is all version 0
     slow = asyncio.create_task(be.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64)))
-    await asyncio.sleep(0.05)  # past the batch wait: the batch is running
+    base = be.health()["steps"]
+    await until(lambda: be.health()["steps"] >= base + 2)
     assert await be.update_weights(1, new_state)
     during = await slow
-    assert set(during.token_versions) == {0}
+    assert set(during.token_versions) == {0} and not during.mixed_versions
     after = await be.generate([1, 2, 3], sp)
     assert after.policy_version == 1 and set(after.token_versions) == {1}
     assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
