@@ -213,9 +213,11 @@ class TorchBackend:
         assert self._wake is not None
         loop = asyncio.get_running_loop()
         while True:
-            await self._apply_updates()
+            swapped = await self._apply_updates()
             gone = [i for i, r in enumerate(self._rows) if r.future.done()]
-            admit = self._admit()
+            # right after an in-flight swap the running rows decode first: new prompts' prefill
+            # waits one step, so a swap delays a running sequence by the swap and one decode step
+            admit = [] if swapped and self._rows else self._admit()
             if not admit and not self._rows:
                 self._wake.clear()
                 if (self._waiting and not self._paused) or self._updates:
@@ -255,10 +257,12 @@ class TorchBackend:
                 admit.append(r)
         return admit
 
-    async def _apply_updates(self) -> None:
+    async def _apply_updates(self) -> bool:
+        """Apply the pending updates that may go now; True when weights changed."""
+        swapped = False
         while self._updates:
             if self.weight_update == "drain" and self._rows:
-                return  # admissions are closed; the running rows finish first
+                return swapped  # admissions are closed; the running rows finish first
             u = self._updates.popleft()
             if u.version <= self._version:
                 log.warning("ignoring weight update to version %d: this replica already serves %d",
@@ -281,6 +285,8 @@ class TorchBackend:
                 self._pause_probe = (before, swap)
             log.info("weights -> version %d in %.3fs (%d rows running)", u.version, swap, len(before))
             u.done.set_result(True)
+            swapped = True
+        return swapped
 
     def _measure_pause(self, done: list[_Request], step_s: float) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
