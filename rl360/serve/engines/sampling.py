@@ -53,14 +53,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         rows = logits[greedy] if len(greedy) < len(params) else logits
         logp = torch.log_softmax(rows, dim=-1)
         toks = torch.argmax(rows, dim=-1)
-        lps = logp.gather(1, toks[:, None])[:, 0]
-        for j, i in enumerate(greedy):
-            out[i] = (int(toks[j]), float(lps[j]))
+        lps = logp.gather(1, toks[:, None])[:, 0].tolist()
+        for j, (i, t) in enumerate(zip(greedy, toks.tolist(), strict=True)):
+            out[i] = (t, lps[j])
     if sampled:
         rows = logits[sampled] if len(sampled) < len(params) else logits
         logp = processed_logprobs_rows(rows, [params[i] for i in sampled])
         probs = logp.exp()
+        toks = [int(torch.multinomial(probs[j], 1, generator=generators[i]))
+                for j, i in enumerate(sampled)]
+        lps = logp.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
         for j, i in enumerate(sampled):
-            tok = int(torch.multinomial(probs[j], 1, generator=generators[i]))
-            out[i] = (tok, float(logp[j, tok]))
+            out[i] = (toks[j], lps[j])
     return out

@@ -113,11 +113,10 @@ class LlamaRunner:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         n = len(tokens)
-        qlens = torch.tensor([len(t) for t in tokens])
-        q = int(qlens.max())
-        ids = torch.zeros((n, q), dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.tensor(t)
+        lens = [len(t) for t in tokens]
+        q = max(lens)
+        qlens = torch.tensor(lens)
+        ids = torch.tensor([t + [0] * (q - len(t)) for t in tokens] if q > 1 else tokens)
         start = torch.tensor(starts)
         pos = start[:, None] + torch.arange(q)[None, :]  # [n, q]
         kmax = int((start + qlens).max())
