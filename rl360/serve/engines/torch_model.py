@@ -35,8 +35,10 @@ class SlotKV:
     """K and V per layer for up to `slots` sequences, grown on demand (zeros: masked
     positions must hold finite numbers, or 0 x NaN would poison the softmax)."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
         self.layers, self.kv_heads, self.head_dim, self.dtype = layers, kv_heads, head_dim, dtype
+        self.device = device or torch.device("cpu")
         self.slots = 0
         self.capacity = 0
         self.k: list[torch.Tensor] = []
@@ -54,7 +56,7 @@ class SlotKV:
         shape = (new_slots, self.kv_heads, new_cap, self.head_dim)
         for store in (self.k, self.v):
             for i in range(self.layers):
-                t = torch.zeros(shape, dtype=self.dtype)
+                t = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 if store and self.slots:
                     t[: self.slots, :, : self.capacity] = store[i]
                 if len(store) > i:
@@ -79,8 +81,8 @@ class SlotKV:
 
     def load(self, slot: int, kv: torch.Tensor, length: int) -> None:
         for i, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
-            k[slot, :, :length] = kv[i, 0, :, :length]
-            v[slot, :, :length] = kv[i, 1, :, :length]
+            k[slot, :, :length] = kv[i, 0, :, :length].to(self.device)
+            v[slot, :, :length] = kv[i, 1, :, :length].to(self.device)
 
 
 class LlamaRunner:
@@ -95,8 +97,9 @@ class LlamaRunner:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.dtype = next(model.parameters()).dtype
-        self.kv = SlotKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.kv = SlotKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.device)
         # RoPE types whose angles depend on the position only are tabulated once
         rope = getattr(self.inner.rotary_emb, "rope_type", "default")
         self._rope_table = rope in ("default", "linear", "llama3", "yarn")
@@ -109,24 +112,26 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward(self, first_slot: int, tokens: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Rows `first_slot..first_slot+len(tokens)-1`; row i feeds `tokens[i]` at positions
-        `starts[i]...`. Returns float32 logits [rows, vocab] of each row's last token."""
+        `starts[i]...`. Returns float32 logits [rows, vocab] of each row's last token, on the
+        CPU (where sampling runs, with each request's own CPU generator)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         n = len(tokens)
         lens = [len(t) for t in tokens]
         q = max(lens)
-        qlens = torch.tensor(lens)
-        ids = torch.tensor([t + [0] * (q - len(t)) for t in tokens] if q > 1 else tokens)
-        start = torch.tensor(starts)
-        pos = start[:, None] + torch.arange(q)[None, :]  # [n, q]
-        kmax = int((start + qlens).max())
-        self.kv.ensure(first_slot + n, int(start.max()) + q)
-        mask = (torch.arange(kmax)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [n,1,q,k]
+        dev = self.device
+        qlens = torch.tensor(lens, device=dev)
+        ids = torch.tensor([t + [0] * (q - len(t)) for t in tokens] if q > 1 else tokens, device=dev)
+        start = torch.tensor(starts, device=dev)
+        pos = start[:, None] + torch.arange(q, device=dev)[None, :]  # [n, q]
+        kmax = max(s + n_ for s, n_ in zip(starts, lens, strict=True))
+        self.kv.ensure(first_slot + n, max(starts) + q)
+        mask = (torch.arange(kmax, device=dev)[None, None, :] <= pos[:, :, None]).unsqueeze(1)
         rows = slice(first_slot, first_slot + n)
-        widx = (torch.arange(n)[:, None, None], torch.arange(self.kv_heads)[None, :, None],
-                pos[:, None, :])
+        widx = (torch.arange(n, device=dev)[:, None, None],
+                torch.arange(self.kv_heads, device=dev)[None, :, None], pos[:, None, :])
         x = self.inner.embed_tokens(ids)
-        cos, sin = self._rope(x, pos)
+        cos, sin = self._rope(x, pos, max(starts) + q)
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -145,15 +150,15 @@ class LlamaRunner:
             )
             x = x + attn.o_proj(o.transpose(1, 2).reshape(n, q, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = x[torch.arange(n), qlens - 1]
-        return self.model.lm_head(self.inner.norm(last)).float()
+        last = x[torch.arange(n, device=dev), qlens - 1]
+        return self.model.lm_head(self.inner.norm(last)).float().cpu()
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._rope_table:
             return self.inner.rotary_emb(x, pos)  # type: ignore[no-any-return]
-        need = int(pos.max()) + 1
         if self._cos is None or self._cos.shape[0] < need:
-            cos, sin = self.inner.rotary_emb(x[:1, :1], torch.arange(_pow2(max(need, 256)))[None])
+            table = torch.arange(_pow2(max(need, 256)), device=self.device)[None]
+            cos, sin = self.inner.rotary_emb(x[:1, :1], table)
             self._cos, self._sin = cos[0], sin[0]
         assert self._sin is not None
         return self._cos[pos], self._sin[pos]
