@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.prefix_cache import PrefixCache
@@ -73,8 +74,6 @@ class _Update:
 
 def load_causal_lm(model: str, dtype: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rl360.policies.loading import resolve_model_path
 
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 # HF model types whose decoder layers have the Llama shape (q/k/v/o projections, RoPE,
 # pre-norm attention and MLP; qwen3 adds per-head q/k norms, qwen2 projection biases)
@@ -114,8 +115,6 @@ class LlamaRunner:
         """Rows `first_slot..first_slot+len(tokens)-1`; row i feeds `tokens[i]` at positions
         `starts[i]...`. Returns float32 logits [rows, vocab] of each row's last token, on the
         CPU (where sampling runs, with each request's own CPU generator)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         n = len(tokens)
         lens = [len(t) for t in tokens]
         q = max(lens)
