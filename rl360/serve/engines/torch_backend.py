@@ -40,6 +40,7 @@ from rl360.serve.engines.torch_model import LlamaRunner
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.torch")
+_MAX_BURST = 64  # decode steps the engine thread may run before handing back to the loop
 
 __all__ = ["TorchBackend", "load_causal_lm", "processed_logprobs", "split_by_length"]
 
@@ -107,6 +108,7 @@ class TorchBackend:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._paused = False
+        self._interrupt = False  # set by the loop's thread, read by the engine's between steps
         self._rng = random.Random(seed)
         self._failure: BaseException | None = None
         self._stats: dict[str, Any] = {
@@ -137,8 +139,9 @@ class TorchBackend:
         self._ensure_started()
         assert self._wake is not None
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(self._poke)  # a cancelled caller frees its row at the next step
         self._waiting.append(_Request(list(prompt_ids), sampling, fut))
-        self._wake.set()
+        self._poke()
         return await fut  # cancelling the caller cancels fut: its row leaves at the next step
 
     async def update_weights(self, version: int, state: Any) -> bool:
@@ -148,7 +151,7 @@ class TorchBackend:
             state = await state  # a Ray ObjectRef
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._updates.append(_Update(version, state, done))
-        self._wake.set()
+        self._poke()
         return await done
 
     async def pause(self) -> None:
@@ -159,7 +162,7 @@ class TorchBackend:
         self._ensure_started()
         assert self._wake is not None
         self._paused = False
-        self._wake.set()
+        self._poke()
 
     def health(self) -> dict[str, Any]:
         return {
@@ -185,6 +188,12 @@ class TorchBackend:
         self._executor.shutdown(wait=False)
 
     # ------------------------------------------------------------------ the engine loop
+
+    def _poke(self, *_: Any) -> None:
+        """Something for the loop to do: wake it, and end the engine thread's decode burst."""
+        self._interrupt = True
+        if self._wake is not None:
+            self._wake.set()
 
     def _ensure_started(self) -> None:
         if self._task is not None and not self._task.done():
@@ -225,9 +234,10 @@ class TorchBackend:
                 if not self._rows and self._waiting and self.engine_cfg.batch_wait_ms > 0:
                     await asyncio.sleep(self.engine_cfg.batch_wait_ms / 1000.0)  # gather company
                 continue
-            t0 = time.perf_counter()
+            self._interrupt = False
             try:
-                done = await loop.run_in_executor(self._executor, self._step, gone, admit, self._version)
+                done, dt = await loop.run_in_executor(
+                    self._executor, self._steps, gone, admit, self._version, not swapped)
             except Exception as exc:  # a failed step fails its rows, not the engine
                 log.exception("engine step failed with %d rows", len(self._rows) + len(admit))
                 for r in self._rows + admit:
@@ -236,11 +246,6 @@ class TorchBackend:
                 self._rows = []
                 await loop.run_in_executor(self._executor, self.runner.kv.release)
                 continue
-            dt = time.perf_counter() - t0
-            self._stats["busy_s"] += dt
-            self._stats["last_step_s"] = dt
-            self.step_times.append(dt)
-            self._stats["cancelled"] += len(gone)
             self._stats["batches"] += bool(admit)
             self._measure_pause(done, dt)
             for r in done:
@@ -329,10 +334,34 @@ class TorchBackend:
             for k, v in state.items():
                 own[k].copy_(torch.as_tensor(v).to(own[k].dtype))
 
+    def _steps(self, gone: list[int], admit: list[_Request], version: int,
+               burst: bool) -> tuple[list[_Request], float]:
+        """One step, then (with `burst`) more decode steps on the same thread while nothing
+        needs the loop: no row finished and no request, update or cancellation arrived (each
+        sets `_interrupt`). Saves two thread hand-offs per token on a busy CPU. Returns the
+        finished rows and the first step's seconds."""
+        done = self._timed_step(gone, admit, version)
+        first = self._stats["last_step_s"]
+        n = 1
+        while burst and not done and self._rows and not self._interrupt and n < _MAX_BURST:
+            done = self._timed_step([], [], version)
+            n += 1
+        return done, first
+
+    def _timed_step(self, gone: list[int], admit: list[_Request], version: int) -> list[_Request]:
+        t0 = time.perf_counter()
+        done = self._step(gone, admit, version)
+        dt = time.perf_counter() - t0
+        self._stats["busy_s"] += dt
+        self._stats["last_step_s"] = dt
+        self.step_times.append(dt)
+        return done
+
     @torch.inference_mode()  # the slot cache's tensors are inference tensors: all work on them here
     def _step(self, gone: list[int], admit: list[_Request], version: int) -> list[_Request]:
         """One engine step; returns the rows that finished (already removed)."""
         self._remove(gone)
+        self._stats["cancelled"] += len(gone)
         old = len(self._rows)
         step = self._stats["steps"]
         self._stats["steps"] = step + 1
