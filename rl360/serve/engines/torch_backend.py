@@ -8,6 +8,8 @@ runs on the engine's thread: a prefill of the newly admitted rows (prompt suffix
 prefix-cache hit, grouped by length) and one decode token for every other row. Rows that
 finish leave at once; the K/V cache is the engine's own (`torch_model.SlotKV`), and finished
 sequences leave their K/V in an LRU prefix cache (`prefix_cache.PrefixCache`) for the next turn.
+While nothing needs the loop (no finished row, new request, update or cancellation), the engine
+thread runs decode steps back to back instead of handing back after each one.
 
 Weight updates: `weight_update = "inflight"` swaps weights between two decode steps without
 waiting for running sequences, so a sequence may span versions and each token carries the
