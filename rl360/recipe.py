@@ -77,8 +77,10 @@ class EngineSection(_S):
 
     def __post_init__(self) -> None:
         if self.weight_update == "inflight" and self.backend in ("vllm", "sglang"):
-            raise ValueError(f"weight_update = 'inflight' needs backend = 'torch' ({self.backend} "
-                             "drains running sequences; use 'drain' or 'auto')")
+            how = ("SGLang's own swap modes: engine.options.pause_mode" if self.backend == "sglang"
+                   else "vLLM drains running sequences")
+            raise ValueError(f"weight_update = 'inflight' needs backend = 'torch' ({how}; "
+                             "use 'drain' or 'auto')")
 
 
 class ServeSection(_S):

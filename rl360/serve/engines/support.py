@@ -14,7 +14,8 @@ _FLOATS = ("float32", "bfloat16", "float16")
 ENGINE_SUPPORT: dict[str, BackendSupport] = {
     "torch": BackendSupport(
         backend="torch", devices=("cpu", "cuda"), dtypes=_FLOATS,
-        notes="transformers' AutoModelForCausalLM, one device per replica"),
+        notes="Llama-shaped HF models (llama, mistral, qwen2, qwen3), continuous batching, "
+              "prefix cache, in-flight weight updates; one device per replica"),
     "scripted": BackendSupport(
         backend="scripted", devices=("cpu",), dtypes=_FLOATS,
         notes="scripted answers for tests; no model"),

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from rl360.policies.devices import place_for_generation, select_device
 from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
@@ -75,12 +76,16 @@ class _Update:
     done: asyncio.Future[bool]
 
 
-def load_causal_lm(model: str, dtype: str) -> tuple[Any, Any]:
+def load_causal_lm(model: str, dtype: str, num_gpus: float = 0.0) -> tuple[Any, Any]:
+    """The model (on the reserved GPU when num_gpus > 0, see rl360.policies.devices) and
+    its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    placement = select_device(num_gpus, dtype, gpus_key="engine.num_gpus", dtype_key="model.dtype")
     path = resolve_model_path(model)
     tok = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
+    lm = place_for_generation(lm, placement)
     lm.eval()
     return lm, tok
 
@@ -98,7 +103,7 @@ class TorchBackend:
         # "auto" is in-flight here (the recipe refuses "inflight" for backends that drain)
         self.weight_update = "drain" if engine.weight_update == "drain" else "inflight"
         if model is None:
-            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype)
+            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype, engine.num_gpus)
         self.model = model
         self.tokenizer = tokenizer
         self.runner = LlamaRunner(model)
