@@ -278,14 +278,15 @@ class TorchBackend:
             if u.version <= self._version:
                 log.warning("ignoring weight update to version %d: this replica already serves %d",
                             u.version, self._version)
-                u.done.set_result(False)
+                _settle(u.done, False)
                 continue
             before = {id(r): r.t_last for r in self._rows}
             t0 = time.perf_counter()
             try:
                 await asyncio.get_running_loop().run_in_executor(self._executor, self._load_state, u.state)
             except Exception as exc:
-                u.done.set_exception(exc)
+                if not u.done.done():  # the caller may have gone away
+                    u.done.set_exception(exc)
                 continue
             swap = time.perf_counter() - t0
             self._version = u.version
@@ -295,7 +296,7 @@ class TorchBackend:
             if before:
                 self._pause_probe = (before, swap)
             log.info("weights -> version %d in %.3fs (%d rows running)", u.version, swap, len(before))
-            u.done.set_result(True)
+            _settle(u.done, True)
             swapped = True
         return swapped
 
@@ -439,6 +440,11 @@ class TorchBackend:
         elif (len(r.out_ids) >= s.max_tokens
               or len(r.prompt_ids) + len(r.out_ids) >= self.model_cfg.max_model_len):
             r.finish_reason = "length"
+
+
+def _settle(fut: asyncio.Future[bool], value: bool) -> None:
+    if not fut.done():  # an update whose caller went away still applies; nobody to tell
+        fut.set_result(value)
 
 
 def split_by_length(batch: list[_Request], slack: float = 1.5, extra: int = 32,
