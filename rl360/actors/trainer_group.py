@@ -29,8 +29,10 @@ import ray
 from rl360.actors.buffer import RefBatch, to_samples
 from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
+from rl360.policies.trainer_torch import TorchTrainer
 from rl360.recipe import TrainerSection
 from rl360.serve.weights.nccl import WeightSender, gpu_uuid
+from rl360.serve.weights.packing import WeightPacker, put_packet
 from rl360.serve.weights.transports import GlooGroup, tensor_spec
 from rl360.types import Batch, TrainSample
 
@@ -137,6 +139,24 @@ class TrainerWorker:
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         return self.trainer.state_dict_for_sync()
 
+    def _sync_state(self) -> dict[str, Tensor]:
+        """The weights to send under HF names. A torch trainer's CPU parameters go as they are
+        (views): whoever sends copies them once anyway (into the object store, or into a
+        socket), so the snapshot copy of state_dict_for_sync would be a second one."""
+        t = self.trainer
+        # exactly TorchTrainer: subclasses (FSDPTrainer) hold sharded parameters
+        if type(t) is TorchTrainer and all(p.device.type == "cpu" for p in t.params):
+            return {k: v.detach() for k, v in t.model.state_dict().items()}
+        return t.state_dict_for_sync()
+
+    def pack_weights(self, version: int, packer: dict[str, Any]) -> dict[str, Any]:
+        """Put `version` into the object store as one packed object, full or a delta against
+        the version before (rl360.serve.weights.packing); returns the publisher's metadata.
+        `packer`: WeightPacker's settings (the first call's are kept)."""
+        if getattr(self, "_packer", None) is None:
+            self._packer = WeightPacker(**packer)
+        return put_packet(self._packer.pack(version, self._sync_state()))
+
     # collective weight sync (rank 0 is the sender; see rl360.serve.weights.transports)
     def weight_spec(self) -> list[tuple[str, list[int], str]]:
 
@@ -153,7 +173,7 @@ class TrainerWorker:
     def send_weights(self, buckets: list[Any] | None = None, layout: str = "flat") -> int:
         """Broadcast the weights to the group's engines; returns the bytes sent."""
         if buckets is None:
-            state = self.trainer.state_dict_for_sync()
+            state = self._sync_state()
             self._weight_group.send(state)
             return sum(v.numel() * v.element_size() for v in state.values())
         return self._sender().send(buckets, layout)

@@ -141,7 +141,8 @@ class TrainRun:
         with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling)) as stack:
             actors = start_train_actors(recipe, stack, self.ckpt / "model" if self.ckpt else model_path)
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
-                                        recipe.engine.replicas)
+                                        recipe.engine.replicas, dtype=recipe.model.dtype,
+                                        inplace=recipe.engine.backend == "torch")
             self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
                                     msgspec.to_builtins(recipe), resume=self.ckpt is not None)
             try:

@@ -282,11 +282,17 @@ class TorchBackend:
                 continue
             before = {id(r): r.t_last for r in self._rows}
             t0 = time.perf_counter()
+            # a PackedUpdate (rl360.serve.weights.packing) loads itself in place, checked
+            packed = hasattr(u.state, "apply_to")
+            load = u.state.apply_to if packed else self._load_state
             try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, self._load_state, u.state)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, load, self.model if packed else u.state)
             except Exception as exc:
                 if not u.done.done():  # the caller may have gone away
                     u.done.set_exception(exc)
+                if packed:  # parameters may be partly written: end the loop, fail its rows
+                    raise
                 continue
             swap = time.perf_counter() - t0
             self._version = u.version

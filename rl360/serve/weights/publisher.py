@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
+from rl360.serve.weights.packing import can_load_in_place, fetch_update
 from rl360.serve.weights.transports import GlooGroup
 
 log = logging.getLogger("rl360.weights")
@@ -39,6 +40,7 @@ class WeightPublisher:
         self._members: dict[str, dict[str, Any]] = {}  # replica -> offset, width, gpu, layout
         self._next_rank = 1
         self.checksums: dict[int, dict[str, dict[str, Any]]] = {}  # version -> replica -> report
+        self.details: dict[str, dict[str, Any]] = {}  # replica -> its last packed fetch
 
     async def publish(self, version: int, wrapped_ref: list[Any] | dict[str, Any]) -> bool:
         if version <= self.version:
@@ -48,6 +50,28 @@ class WeightPublisher:
         self._changed.set()
         self._changed = asyncio.Event()
         return True
+
+    async def publish_packed(self, version: int, meta: dict[str, Any]) -> bool:
+        """A packed version (rl360.serve.weights.packing): a full one starts a new chain, a
+        delta extends the chain if it applies to the newest version. Replicas get the chain
+        {"kind": "packed", "base", "full", "layout", "deltas": [(version, ref)]} and fetch
+        what they lack."""
+        if version <= self.version:
+            log.warning("not publishing version %d: %d is already out", version, self.version)
+            return False
+        chain = self.refs if isinstance(self.refs, dict) and self.refs.get("kind") == "packed" \
+            else None
+        if meta["kind"] == "full":
+            chain = {"kind": "packed", "base": version, "full": meta["ref"][0],
+                     "layout": meta["layout"], "deltas": []}
+        elif chain is None or meta["base"] != self.version:
+            log.warning("not publishing delta version %d: it applies to %s, %d is out",
+                        version, meta.get("base"), self.version)
+            return False
+        else:
+            chain = {**chain, "deltas": [*chain["deltas"], (version, meta["ref"][0])]}
+        chain["version"] = version
+        return await self.publish(version, chain)
 
     async def publish_collective(self, version: int, payload: dict[str, Any]) -> bool:
         """Announce a version sent over a collective group (see rl360.serve.weights.transports)."""
@@ -99,8 +123,13 @@ class WeightPublisher:
                 pass
         return self.version, self.refs
 
-    async def report_applied(self, replica: str, version: int) -> None:
+    async def report_applied(self, replica: str, version: int,
+                             detail: dict[str, Any] | None = None) -> None:
+        """`detail`: what the replica fetched for a packed version (full?, deltas, bytes,
+        fell_back), kept per replica for status() and benches."""
         self.applied[replica] = (version, time.time() - self.published_at)
+        if detail is not None:
+            self.details[replica] = {"version": version, **detail}
         self._notify()
 
     async def wait_applied(self, version: int, replicas: int, timeout_s: float) -> int:
@@ -134,7 +163,7 @@ class WeightPublisher:
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied),
-                "engines": dict(self.engine_stats)}
+                "engines": dict(self.engine_stats), "fetched": dict(self.details)}
 
 
 async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0) -> None:
@@ -150,7 +179,11 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         version, payload = await publisher.wait_newer.remote(have, poll_s)
         if version <= have or not payload:
             continue
-        if isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
+        update = None
+        if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store
+            update = await fetch_update(payload, have, can_load_in_place(backend))
+            state = update if can_load_in_place(backend) else update.state_dict()
+        elif isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
 
             state, group = await gpu_state(payload, backend, rank, group)
         elif isinstance(payload, dict):  # collective: join the group once, then receive
@@ -167,7 +200,8 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
 
                 sums = await engine_checksums(backend, payload, state)
                 await publisher.report_checksums.remote(replica, version, sums)
-            await publisher.report_applied.remote(replica, version)
+            detail = update.detail() if update is not None else None
+            await publisher.report_applied.remote(replica, version, detail)
         else:
             have = max(have, backend.version)
-        del state
+        del state, update

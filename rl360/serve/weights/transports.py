@@ -3,8 +3,9 @@
 Both sit behind `WeightTransport.publish(version)` and both announce the version through the
 WeightPublisher actor, which the replicas long-poll (rl360.serve.weights.publisher.follow_weights):
 
-- "object_store": the trainer's rank 0 returns its state dict as a Ray object (put once);
-  each replica fetches it from the object store (zero-copy on the same node).
+- "object_store": the trainer's rank 0 puts each version into the object store as one packed
+  object (full, or a delta against the version before); each replica fetches it (zero-copy on
+  the same node) and loads it into its parameters in place (rl360.serve.weights.packing).
 - "collective": a gloo group (NCCL on GPUs) of the sender (rank 0) and every engine replica;
   the weights are flattened into one buffer per dtype and broadcast, then unflattened on the
   replicas. No object store copy at all.
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rl360.recipe import CollectiveSync, WeightSync
+from rl360.recipe import CollectiveSync, ObjectStoreSync, WeightSync
 from rl360.serve.weights.plan import compare_checksums, plan_buckets
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64)}
@@ -71,38 +72,80 @@ def buffer_sizes(spec: list[tuple[str, list[int], str]]) -> dict[str, int]:
 
 class GlooGroup:
     """A torch.distributed gloo process group of its own (no default group needed), so a
-    trainer rank and Serve replicas can join one without disturbing their other groups."""
+    trainer rank and Serve replicas can join one without disturbing their other groups.
 
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float = 300.0) -> None:
+    Both ends keep their flat per-dtype buffers between versions (no fresh allocation and page
+    faults per version), and a buffer goes as several broadcasts of `chunk_mb` in flight at
+    once, which keeps the group's threads and sockets busy together."""
 
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float = 300.0,
+                 chunk_mb: float = 16.0) -> None:
         import torch.distributed as dist
 
         self.rank, self.world = rank, world
+        self.chunk = max(1, int(chunk_mb * 1024 * 1024))
         store = dist.TCPStore(host, port, world, is_master=rank == 0,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        self._bufs: dict[str, torch.Tensor] = {}
 
     def broadcast(self, buffers: dict[str, torch.Tensor]) -> None:
+        works = []
         for d in sorted(buffers):
-            self.pg.broadcast(buffers[d], 0).wait()
+            flat = buffers[d]
+            step = max(1, self.chunk // flat.element_size())
+            for start in range(0, flat.numel(), step):
+                works.append(self.pg.broadcast(flat[start:start + step], 0))
+        for w in works:
+            w.wait()
+
+    def _buffers(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        if {d: b.numel() for d, b in self._bufs.items()} != sizes:
+            self._bufs = {d: torch.empty(n, dtype=_DTYPES[d]) for d, n in sizes.items()}
+        return self._bufs
 
     def send(self, state: dict[str, torch.Tensor]) -> None:
-        self.broadcast(flatten(state))
+        groups: dict[str, list[torch.Tensor]] = {}
+        for v in state.values():
+            groups.setdefault(str(v.dtype), []).append(v.detach().reshape(-1))
+        bufs = self._buffers({d: sum(t.numel() for t in ts) for d, ts in groups.items()})
+        for d, ts in groups.items():
+            torch.cat(ts, out=bufs[d])
+        self.broadcast(bufs)
 
     def receive(self, spec: list[tuple[str, list[int], str]]) -> dict[str, torch.Tensor]:
-        bufs = {d: torch.empty(n, dtype=_DTYPES[d]) for d, n in buffer_sizes(spec).items()}
+        """Views into this group's buffers: valid until the next receive."""
+        bufs = self._buffers(buffer_sizes(spec))
         self.broadcast(bufs)
         return unflatten(spec, bufs)
 
 
 class ObjectStoreTransport:
-    """Rank 0's state dict goes into the object store once; replicas fetch it."""
+    """Rank 0 packs each version into ONE object-store object (rl360.serve.weights.packing):
+    full, or with `options.delta` the bits changed since the version before; replicas fetch
+    zero-copy views and load them into their parameters in place.
 
-    def __init__(self, serving: Any, trainer: Any) -> None:
-        self.serving, self.trainer = serving, trainer
+    `sender`: anything with a `pack_weights(version, packer)` remote method (the trainer's
+    rank 0 worker, or a bench's stand-in); a TrainerGroup stands for its rank 0. `dtype`: the
+    engines' dtype (floating weights are cast to it before sending, and deltas are taken on
+    it); `inplace`: the engines load packed updates in place (the torch backend), which
+    deltas need; other backends get full versions as state dicts."""
+
+    def __init__(self, serving: Any, sender: Any, options: ObjectStoreSync | None = None,
+                 dtype: str | None = None, inplace: bool = True) -> None:
+        self.serving = serving
+        self.sender = sender.workers[0] if hasattr(sender, "workers") else sender
+        o = options or ObjectStoreSync()
+        self.packer = {"delta": o.delta and inplace, "max_delta_fraction": o.delta_max_fraction,
+                       "bucket_mb": o.bucket_mb, "dtype": dtype}
+        self.last: dict[str, Any] = {}  # the last version's kind and bytes per replica
 
     def publish(self, version: int) -> bool:
-        return self.serving.publish_ref(version, self.trainer.state_dict_ref())
+        import ray
+
+        meta = ray.get(self.sender.pack_weights.remote(version, self.packer))
+        self.last = {k: v for k, v in meta.items() if k in ("kind", "version", "nbytes")}
+        return bool(ray.get(self.serving.publisher.publish_packed.remote(version, meta)))
 
 
 class CollectiveTransport:
@@ -236,9 +279,11 @@ class CollectiveTransport:
         return out
 
 
-def build_transport(sync: WeightSync, serving: Any, trainer: Any, replicas: int) -> WeightTransport:
+def build_transport(sync: WeightSync, serving: Any, trainer: Any, replicas: int, *,
+                    dtype: str | None = None, inplace: bool = True) -> WeightTransport:
     """The transport of the recipe's [train.weight_sync] for a trainer group and `replicas`
-    engine replicas (the collective sender is the group's rank 0)."""
+    engine replicas (the sender is the group's rank 0). `dtype`: the engines' dtype;
+    `inplace`: the engines are torch backends that load packed versions in place (deltas)."""
     if isinstance(sync, CollectiveSync):
         return CollectiveTransport(serving, trainer.workers[0], replicas, options=sync)
-    return ObjectStoreTransport(serving, trainer)
+    return ObjectStoreTransport(serving, trainer, sync, dtype=dtype, inplace=inplace)

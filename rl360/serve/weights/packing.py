@@ -1,0 +1,383 @@
+"""Packed weight versions for the object-store transport: one object per version, zero-copy
+views on the replicas, loading in place, and delta versions against the previous one.
+
+Sender (`WeightPacker`, on trainer rank 0): a version is either FULL (every tensor's raw bytes,
+cast to the engines' dtype, as numpy arrays that Ray writes out-of-band into ONE contiguous
+object) or a DELTA against the version before it: per changed tensor the positions whose bits
+differ (int32/int64) and the new raw values there. bf16 RL steps leave ~99% of elements
+bit-identical, so a delta is a few percent of a full version. Each packet carries an xxh3
+checksum per bucket (consecutive tensors of <= bucket_mb) of the state it leads to.
+
+Replica (`PackedUpdate.apply_to(model)`): copies a full version into the existing parameters
+(`copy_`, no new tensors), applies deltas in place (`index_put_` on the raw bits), then checks
+every bucket's checksum against its parameters. A mismatch (a replica that drifted or applied
+onto the wrong base) falls back to the full version of the chain plus its deltas, all before the
+engine serves again. The publisher keeps the chain (full base + deltas since); a replica that
+missed versions applies the deltas it lacks, or starts again from the full base.
+
+A full version is sent instead of a delta for the first version, when the delta would exceed
+`max_delta_fraction` of a full one, or when the deltas since the last full would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+log = logging.getLogger("rl360.weights")
+
+_RAW_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Entry(msgspec.Struct, array_like=True):
+    name: str
+    shape: list[int]
+    dtype: str  # torch dtype as str(), e.g. "torch.bfloat16"
+    numel: int
+
+
+class Layout(msgspec.Struct):
+    """The tensors of a version in send order, and which of them each bucket holds."""
+
+    entries: list[Entry]
+    buckets: list[list[int]]  # entry indices per bucket
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.numel * _itemsize(e.dtype) for e in self.entries)
+
+
+@dataclass
+class FullPacket:
+    version: int
+    arrays: list[np.ndarray]  # raw bits of each entry, in layout order
+    checksums: list[int]  # per bucket ([] when the sender sends no deltas)
+
+
+@dataclass
+class DeltaPacket:
+    version: int
+    base: int  # the version this delta applies to
+    entries: list[int]  # changed entries (layout indices)
+    positions: list[np.ndarray]  # element positions whose bits changed, per changed entry
+    values: list[np.ndarray]  # their new raw bits
+    checksums: list[int]  # per bucket, of the state after this delta
+
+
+@dataclass
+class Packet:
+    kind: str  # "full" | "delta"
+    data: FullPacket | DeltaPacket
+    layout: Layout
+    nbytes: int  # bytes a replica fetches for this version
+
+    def meta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "version": self.data.version,
+                               "nbytes": self.nbytes}
+        if isinstance(self.data, DeltaPacket):
+            out["base"] = self.data.base
+        else:
+            out["layout"] = msgspec.to_builtins(self.layout)
+        return out
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+
+
+def raw(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as a flat numpy array of same-width integers (no copy when the tensor
+    is a contiguous CPU tensor); numpy has no bfloat16, bits do."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(_RAW_TORCH[flat.element_size()]).numpy()
+
+
+def from_raw(arr: np.ndarray, entry: Entry) -> torch.Tensor:
+    """A tensor view (no copy) of raw bits, e.g. out of the object store (read-only memory:
+    only ever read from it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        t = torch.from_numpy(arr)
+    return t.view(getattr(torch, entry.dtype.removeprefix("torch."))).view(entry.shape)
+
+
+def _np(arr: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(arr)
+
+
+def build_layout(state: Mapping[str, torch.Tensor], bucket_mb: float) -> Layout:
+    limit = int(bucket_mb * 1024 * 1024)
+    entries: list[Entry] = []
+    buckets: list[list[int]] = []
+    size = 0
+    for i, (name, t) in enumerate(state.items()):
+        entries.append(Entry(name, list(t.shape), str(t.dtype), t.numel()))
+        b = t.numel() * t.element_size()
+        if not buckets or (buckets[-1] and size + b > limit):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += b
+    return Layout(entries=entries, buckets=buckets)
+
+
+def bucket_checksums(layout: Layout, arrays: list[np.ndarray]) -> list[int]:
+    """xxh3-64 of each bucket's raw bytes, entries in order (~30 GB/s: cheap next to a copy)."""
+    out = []
+    for bucket in layout.buckets:
+        h = xxhash.xxh3_64()
+        for i in bucket:
+            h.update(arrays[i])
+        out.append(h.intdigest())
+    return out
+
+
+def _cast(state: Mapping[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+    """The state as the engines hold it: floating tensors in `dtype` (None: as they are)."""
+    if not dtype:
+        return dict(state)
+    target = getattr(torch, dtype.removeprefix("torch."))
+    return {k: (v.to(target) if v.is_floating_point() and v.dtype != target else v)
+            for k, v in state.items()}
+
+
+@dataclass
+class WeightPacker:
+    """Sender side. `delta=False`: every version full, straight from the state's memory (the
+    object store write is the only copy). `delta=True`: keeps the last version's bits (one
+    copy of the weights) to diff the next one against."""
+
+    delta: bool = False
+    max_delta_fraction: float = 0.25
+    bucket_mb: float = 64.0
+    dtype: str | None = None  # the engines' dtype ("bfloat16", ...); None: as the trainer has it
+    layout: Layout | None = None
+    prev: list[np.ndarray] | None = None
+    version: int = 0
+    chain_bytes: int = 0  # delta bytes since the last full version
+    stats: dict[str, int] = field(default_factory=lambda: {"full": 0, "delta": 0})
+
+    def pack(self, version: int, state: Mapping[str, torch.Tensor]) -> Packet:
+        if version <= self.version:
+            raise ValueError(f"weight version {version} is not after {self.version}")
+        state = _cast(state, self.dtype)
+        layout = build_layout(state, self.bucket_mb)
+        arrays = [raw(v.cpu()) for v in state.values()]
+        same = self.layout is not None and self.layout.entries == layout.entries
+        if self.delta and same and self.prev is not None:
+            packet = self._delta(version, layout, arrays)
+            if packet is not None:
+                return packet
+        return self._full(version, layout, arrays)
+
+    def _full(self, version: int, layout: Layout, arrays: list[np.ndarray]) -> Packet:
+        if self.delta:  # keep this version's bits to diff the next one against
+            if self.prev is None or self.layout is None or self.layout.entries != layout.entries:
+                self.prev = [a.copy() for a in arrays]
+            else:
+                for p, a in zip(self.prev, arrays, strict=True):
+                    np.copyto(p, a)
+            arrays = self.prev
+        self.layout, self.version, self.chain_bytes = layout, version, 0
+        self.stats["full"] += 1
+        # checksums guard deltas (applied onto the replica's own weights): a full version
+        # overwrites every element, so plain full syncs skip the pass over the weights
+        data = FullPacket(version, arrays, bucket_checksums(layout, arrays) if self.delta else [])
+        return Packet("full", data, layout, layout.nbytes)
+
+    def _delta(self, version: int, layout: Layout, arrays: list[np.ndarray]) -> Packet | None:
+        assert self.prev is not None
+        full = layout.nbytes
+        budget = self.max_delta_fraction * full
+        changed: list[int] = []
+        positions: list[np.ndarray] = []
+        size = 0
+        for i, (new, old) in enumerate(zip(arrays, self.prev, strict=True)):
+            pos = changed_positions(new, old)
+            if not pos.size:
+                continue
+            pos = pos.astype(np.int32 if new.size < 2**31 else np.int64)
+            size += pos.nbytes + pos.size * new.itemsize
+            if size > budget or self.chain_bytes + size > budget:
+                return None  # a full version is cheaper (or the chain is long enough)
+            changed.append(i)
+            positions.append(pos)
+        values = [arrays[i][p] for i, p in zip(changed, positions, strict=True)]
+        for i, p, v in zip(changed, positions, values, strict=True):
+            self.prev[i][p] = v
+        data = DeltaPacket(version, self.version, changed, positions, values,
+                           bucket_checksums(layout, self.prev))
+        self.version, self.chain_bytes = version, self.chain_bytes + size
+        self.stats["delta"] += 1
+        return Packet("delta", data, layout, size)
+
+
+def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Positions where `new` and `old` (same-width integer bits) differ. Compares 8-byte words
+    first (a bf16 tensor: 4 elements per comparison, 4x less mask to scan), then the elements
+    of the words that changed."""
+    k = 8 // new.itemsize
+    whole = new.size - new.size % k
+    if k == 1 or whole == 0:
+        return np.flatnonzero(new != old)
+    words = np.flatnonzero(new[:whole].view(np.int64) != old[:whole].view(np.int64))
+    sub = new[:whole].reshape(-1, k)[words] != old[:whole].reshape(-1, k)[words]
+    pos = (words[:, None] * k + np.arange(k))[sub]
+    if whole < new.size:
+        tail = np.flatnonzero(new[whole:] != old[whole:]) + whole
+        pos = np.concatenate([pos, tail])
+    return pos
+
+
+def put_packet(packet: Packet) -> dict[str, Any]:
+    """Put the packet's data into the object store (one object: Ray writes the numpy arrays
+    out-of-band, back to back); returns the publisher's metadata with the ref wrapped in a
+    list so Ray passes it on unresolved."""
+    import ray
+
+    return {**packet.meta(), "ref": [ray.put(packet.data)]}
+
+
+# ----------------------------------------------------------------------------- replica side
+
+
+class ChecksumMismatch(RuntimeError):
+    pass
+
+
+def _params(model: Any, layout: Layout) -> dict[str, torch.Tensor]:
+    held = model.state_dict()
+    missing = [e.name for e in layout.entries if e.name not in held]
+    if missing:
+        raise ValueError(f"weight update has tensors the model lacks: {missing[:5]}")
+    for e in layout.entries:
+        if list(held[e.name].shape) != e.shape:
+            raise ValueError(f"weight update {e.name}: shape {e.shape} != "
+                             f"{list(held[e.name].shape)}")
+    return held
+
+
+def _load_full(params: dict[str, torch.Tensor], layout: Layout, full: FullPacket) -> None:
+    for e, arr in zip(layout.entries, full.arrays, strict=True):
+        params[e.name].copy_(from_raw(arr, e))  # in place; casts if the engine's dtype differs
+
+
+def _load_delta(params: dict[str, torch.Tensor], layout: Layout, delta: DeltaPacket) -> None:
+    for i, pos, val in zip(delta.entries, delta.positions, delta.values, strict=True):
+        p = params[layout.entries[i].name]
+        if not p.is_contiguous() or str(p.dtype) != layout.entries[i].dtype:
+            raise ValueError(f"cannot apply a delta to {layout.entries[i].name} "
+                             f"({p.dtype}, contiguous={p.is_contiguous()}): send full versions")
+        bits = p.view(-1).view(_RAW_TORCH[p.element_size()])
+        bits[_np(pos).to(torch.int64)] = _np(val)
+
+
+def _check(params: dict[str, torch.Tensor], layout: Layout, expected: list[int]) -> list[int]:
+    """Buckets whose parameters do not match the sender's checksums (skipped for a bucket held
+    in another dtype than sent: the engine cast it)."""
+    if any(str(params[e.name].dtype) != e.dtype for e in layout.entries):
+        return []
+    got = bucket_checksums(layout, [raw(params[e.name]) for e in layout.entries])
+    return [b for b, (x, y) in enumerate(zip(got, expected, strict=True)) if x != y]
+
+
+@dataclass
+class PackedUpdate:
+    """A version for one replica: the full base (or None when the replica's own weights are the
+    base) and the deltas to apply after it. `fetch_full()` returns the chain's full base
+    (blocking; used when the checksums say the replica's weights are not what the sender
+    diffed against)."""
+
+    version: int
+    layout: Layout
+    full: FullPacket | None
+    deltas: list[DeltaPacket]
+    fetch_full: Any = None  # () -> (FullPacket, [DeltaPacket]) of the whole chain
+    fell_back: bool = False
+
+    def detail(self) -> dict[str, Any]:
+        """What this replica fetched for the version (reported to the publisher)."""
+        moved = (self.layout.nbytes if self.full is not None else 0) + sum(
+            p.nbytes + v.nbytes for d in self.deltas for p, v in zip(d.positions, d.values,
+                                                                     strict=True))
+        return {"full": self.full is not None, "deltas": len(self.deltas), "bytes": moved,
+                "fell_back": self.fell_back}
+
+    def apply_to(self, model: Any) -> None:
+        """Load into `model`'s parameters in place (call between batches, under the engine's
+        lock); raises rather than leave a mismatched version behind when it cannot recover."""
+        params = _params(model, self.layout)
+        with torch.no_grad():
+            bad = self._apply(params, self.full, self.deltas)
+            if bad and self.full is None and self.fetch_full is not None:
+                log.warning("weight version %d: checksum mismatch in buckets %s after deltas; "
+                            "loading the full version", self.version, bad[:5])
+                full, deltas = self.fetch_full()
+                self.fell_back = True
+                bad = self._apply(params, full, deltas)
+        if bad:
+            raise ChecksumMismatch(f"weight version {self.version}: buckets {bad[:5]} differ "
+                                   "from the sender's checksums")
+
+    def _apply(self, params: dict[str, torch.Tensor], full: FullPacket | None,
+               deltas: list[DeltaPacket]) -> list[int]:
+        if full is not None:
+            _load_full(params, self.layout, full)
+        for d in deltas:
+            _load_delta(params, self.layout, d)
+        if not deltas:  # a full version alone: every element was just copied from it
+            return []
+        return _check(params, self.layout, deltas[-1].checksums)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Zero-copy name -> tensor views of a full version (backends that load a state dict)."""
+        if self.full is None or self.deltas:
+            raise ValueError("this engine backend loads whole state dicts: a delta weight "
+                             "version needs the torch backend (set delta = false)")
+        return {e.name: from_raw(a, e) for e, a in zip(self.layout.entries, self.full.arrays,
+                                                      strict=True)}
+
+
+def plan_fetch(chain: dict[str, Any], have: int, inplace: bool) -> tuple[bool, list[Any]]:
+    """(fetch the chain's full base?, the delta refs to fetch, in order) for a replica that
+    serves version `have` (`inplace`: it can apply deltas to its own weights)."""
+    deltas: list[tuple[int, Any]] = chain.get("deltas", [])
+    if inplace and have in (chain["base"], *(v for v, _ in deltas)):
+        return False, [ref for v, ref in deltas if v > have]
+    return True, [ref for _, ref in deltas]
+
+
+def can_load_in_place(backend: Any) -> bool:
+    """Whether `backend.update_weights` takes a PackedUpdate (an in-process torch model whose
+    parameters it loads in place); other backends get a name -> tensor dict."""
+    return isinstance(getattr(backend, "model", None), torch.nn.Module)
+
+
+async def fetch_update(chain: dict[str, Any], have: int, inplace: bool) -> PackedUpdate:
+    """Fetch (zero-copy on the same node) what a replica serving `have` needs of `chain`."""
+    need_full, delta_refs = plan_fetch(chain, have, inplace)
+    refs = ([chain["full"]] if need_full else []) + delta_refs
+    got = list(await asyncio.gather(*refs))
+    full = got.pop(0) if need_full else None
+
+    def fetch_full() -> tuple[FullPacket, list[DeltaPacket]]:
+        import ray
+
+        whole = ray.get([chain["full"], *(ref for _, ref in chain["deltas"])])
+        return whole[0], whole[1:]
+
+    return PackedUpdate(int(chain["version"]), msgspec.convert(chain["layout"], Layout), full,
+                        got, fetch_full)

@@ -1,0 +1,198 @@
+"""Packed weight versions (rl360.serve.weights.packing) without Ray: a replica that follows
+full and delta versions ends bit-identical to one that loads every version in full; missed
+versions, a drifted replica and oversized deltas take the documented fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl360.serve.weights.packing import (
+    ChecksumMismatch,
+    DeltaPacket,
+    FullPacket,
+    PackedUpdate,
+    Packet,
+    WeightPacker,
+    plan_fetch,
+)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 48).to(dtype)
+        self.b = torch.nn.Linear(48, 64, bias=False).to(dtype)
+        self.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+
+
+def _trainer_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(48, 64, generator=g) * 0.02,
+            "a.bias": torch.randn(48, generator=g) * 0.02,
+            "b.weight": torch.randn(64, 48, generator=g) * 0.02,
+            "steps": torch.zeros(3, dtype=torch.int64)}
+
+
+def _step(state: dict[str, torch.Tensor], lr: float, seed: int) -> None:
+    """An Adam-like step on fp32 master weights: every element moves by ~lr."""
+    g = torch.Generator().manual_seed(seed)
+    for v in state.values():
+        if v.is_floating_point():
+            v.add_(torch.randn(v.shape, generator=g).sign() * lr)
+        else:
+            v.add_(1)
+
+
+def _bits(model: torch.nn.Module) -> dict[str, bytes]:
+    return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            for k, v in model.state_dict().items()}
+
+
+def _update(p: Packet, chain: list[Packet]) -> PackedUpdate:
+    """What a replica that already holds the previous version gets for packet `p`."""
+    def fetch_full() -> tuple[FullPacket, list[DeltaPacket]]:
+        base = max(i for i, q in enumerate(chain) if q.kind == "full")
+        return chain[base].data, [q.data for q in chain[base + 1:]]  # type: ignore[misc]
+
+    if p.kind == "full":
+        return PackedUpdate(p.data.version, p.layout, p.data, [], fetch_full)  # type: ignore[arg-type]
+    return PackedUpdate(p.data.version, p.layout, None, [p.data], fetch_full)  # type: ignore[list-item]
+
+
+def test_delta_chain_is_bit_exact_with_full_syncs() -> None:
+    torch.manual_seed(0)
+    state = _trainer_state()
+    delta_packer = WeightPacker(delta=True, max_delta_fraction=0.5, bucket_mb=0.004,
+                                dtype="bfloat16")
+    full_packer = WeightPacker(delta=False, bucket_mb=0.004, dtype="bfloat16")
+    by_delta, by_full = Net(torch.bfloat16), Net(torch.bfloat16)
+    chain: list[Packet] = []
+    kinds = []
+    for version in range(1, 7):
+        _step(state, 1e-6, version)  # bf16 rounds ~99% of these steps away
+        p = delta_packer.pack(version, state)
+        chain.append(p)
+        kinds.append(p.kind)
+        update = _update(p, chain)
+        update.apply_to(by_delta)
+        assert not update.fell_back  # the deltas alone got there
+        f = full_packer.pack(version, state)
+        _update(f, [f]).apply_to(by_full)
+        assert _bits(by_delta) == _bits(by_full), f"version {version}"
+        if p.kind == "delta":
+            assert p.nbytes < 0.5 * f.nbytes
+    assert kinds[0] == "full" and "delta" in kinds
+    want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()}
+    assert all(torch.equal(by_delta.state_dict()[k], v) for k, v in want.items())
+
+
+def test_drifted_replica_falls_back_to_the_full_version() -> None:
+    state = _trainer_state()
+    packer = WeightPacker(delta=True, max_delta_fraction=0.9, dtype="bfloat16")
+    model = Net(torch.bfloat16)
+    chain = [packer.pack(1, state)]
+    _update(chain[0], chain).apply_to(model)
+    with torch.no_grad():
+        model.a.weight[0, 0] += 1.0  # the replica's weights are not what the sender diffed
+    _step(state, 1e-6, 2)
+    chain.append(packer.pack(2, state))
+    assert chain[-1].kind == "delta"
+    update = _update(chain[-1], chain)
+    update.apply_to(model)
+    assert update.fell_back
+    assert torch.equal(model.a.weight, state["a.weight"].to(torch.bfloat16))
+
+
+def test_mismatch_that_the_full_version_does_not_fix_raises() -> None:
+    state = _trainer_state()
+    packer = WeightPacker(delta=True, dtype="bfloat16")
+    model = Net(torch.bfloat16)
+    full = packer.pack(1, state)
+    PackedUpdate(1, full.layout, full.data, []).apply_to(model)  # type: ignore[arg-type]
+    with torch.no_grad():
+        state["a.bias"][:3] += 1.0
+    delta = packer.pack(2, state)
+    assert delta.kind == "delta"
+    delta.data.checksums[0] ^= 1  # corrupt in transit
+    with pytest.raises(ChecksumMismatch, match="version 2"):
+        PackedUpdate(2, delta.layout, None, [delta.data]).apply_to(model)  # type: ignore[list-item]
+    again = PackedUpdate(2, delta.layout, None, [delta.data],  # type: ignore[list-item]
+                         fetch_full=lambda: (full.data, [delta.data]))
+    with pytest.raises(ChecksumMismatch, match="version 2"):
+        again.apply_to(model)
+    assert again.fell_back
+
+
+def test_large_or_accumulated_deltas_become_full_versions() -> None:
+    state = _trainer_state()
+    packer = WeightPacker(delta=True, max_delta_fraction=0.25)  # fp32: a step changes all
+    assert packer.pack(1, state).kind == "full"
+    _step(state, 1e-3, 2)
+    assert packer.pack(2, state).kind == "full"
+    with torch.no_grad():  # ~10% of one tensor: a small delta, then the chain budget runs out
+        state["a.weight"][:5] += 1.0
+    kinds = []
+    for v in range(3, 8):
+        with torch.no_grad():
+            state["a.weight"][v % 40: v % 40 + 4] += 1.0
+        kinds.append(packer.pack(v, state).kind)
+    assert kinds[0] == "delta" and "full" in kinds
+
+
+def test_versions_only_move_forward() -> None:
+    packer = WeightPacker()
+    packer.pack(2, _trainer_state())
+    with pytest.raises(ValueError, match="not after"):
+        packer.pack(2, _trainer_state())
+
+
+def test_plan_fetch() -> None:
+    chain = {"base": 4, "full": "F", "deltas": [(5, "d5"), (6, "d6")], "version": 6}
+    assert plan_fetch(chain, 4, True) == (False, ["d5", "d6"])
+    assert plan_fetch(chain, 5, True) == (False, ["d6"])  # missed none: just the newest
+    assert plan_fetch(chain, 3, True) == (True, ["d5", "d6"])  # older than the base
+    assert plan_fetch(chain, 5, False) == (True, ["d5", "d6"])  # cannot apply deltas itself
+
+
+def test_full_versions_load_into_other_backends_as_state_dicts() -> None:
+    state = _trainer_state()
+    p = WeightPacker(dtype="float32").pack(1, state)
+    views = PackedUpdate(1, p.layout, p.data, []).state_dict()  # type: ignore[arg-type]
+    assert all(torch.equal(views[k], v) for k, v in state.items())
+    d = WeightPacker(delta=True)
+    d.pack(1, state)
+    with torch.no_grad():
+        state["a.bias"][0] += 1
+    q = d.pack(2, state)
+    assert q.kind == "delta"
+    with pytest.raises(ValueError, match="torch backend"):
+        PackedUpdate(2, q.layout, None, [q.data]).state_dict()  # type: ignore[list-item]
+
+
+def test_delta_is_an_object_store_key_in_the_recipe() -> None:
+    from rl360.recipe import ObjectStoreSync, RecipeError, decode_recipe
+
+    sync = {"transport": "object_store", "delta": True, "delta_max_fraction": 0.1}
+    got = decode_recipe({"train": {"weight_sync": sync}}).train.weight_sync
+    assert isinstance(got, ObjectStoreSync) and got.delta and got.delta_max_fraction == 0.1
+    with pytest.raises(RecipeError, match="delta_max_fraction"):
+        decode_recipe({"train": {"weight_sync": {**sync, "delta_max_fraction": 1.5}}})
+    with pytest.raises(RecipeError, match=r"weight_sync\.delta: unknown key"):
+        decode_recipe({"train": {"weight_sync": {"transport": "collective", "delta": True}}})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+@pytest.mark.parametrize("n", [1, 7, 64, 1001])
+def test_changed_positions_match_an_element_compare(dtype: torch.dtype, n: int) -> None:
+    from rl360.serve.weights.packing import changed_positions, raw
+
+    g = torch.Generator().manual_seed(n)
+    a = (torch.randn(n, generator=g) * 100).to(dtype)
+    b = a.clone()
+    hit = torch.randperm(n, generator=g)[: max(1, n // 10)]
+    b[hit] += 1
+    b[-1] += 1  # the tail beyond whole 8-byte words
+    old, new = raw(a), raw(b)
+    want = (new != old).nonzero()[0]
+    assert changed_positions(new, old).tolist() == want.tolist()
