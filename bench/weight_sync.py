@@ -62,13 +62,14 @@ class StateSender:
             total += v.numel()
         return hit / total
 
-    def pack_weights(self, version: int, packer: dict[str, Any]) -> dict[str, Any]:
+    def pack_weights(self, version: int, packer: dict[str, Any],
+                     publisher: Any = None) -> dict[str, Any]:
         from rl360.serve.weights.packing import WeightPacker, put_packet
 
         key = json.dumps(packer, sort_keys=True)
         if key not in self.packers:
             self.packers[key] = WeightPacker(**packer)
-        return put_packet(self.packers[key].pack(version, self.state))
+        return put_packet(self.packers[key].pack(version, self.state), publisher)
 
     def weight_spec(self):  # type: ignore[no-untyped-def]
         from rl360.serve.weights.transports import tensor_spec

@@ -149,13 +149,15 @@ class TrainerWorker:
             return {k: v.detach() for k, v in t.model.state_dict().items()}
         return t.state_dict_for_sync()
 
-    def pack_weights(self, version: int, packer: dict[str, Any]) -> dict[str, Any]:
+    def pack_weights(self, version: int, packer: dict[str, Any],
+                     publisher: Any = None) -> dict[str, Any]:
         """Put `version` into the object store as one packed object, full or a delta against
-        the version before (rl360.serve.weights.packing); returns the publisher's metadata.
-        `packer`: WeightPacker's settings (the first call's are kept)."""
+        the version before (rl360.serve.weights.packing), and publish it to `publisher` when
+        given; returns its metadata. `packer`: WeightPacker's settings (the first call's are
+        kept)."""
         if getattr(self, "_packer", None) is None:
             self._packer = WeightPacker(**packer)
-        return put_packet(self._packer.pack(version, self._sync_state()))
+        return put_packet(self._packer.pack(version, self._sync_state()), publisher)
 
     # collective weight sync (rank 0 is the sender; see rl360.serve.weights.transports)
     def weight_spec(self) -> list[tuple[str, list[int], str]]:

@@ -242,13 +242,19 @@ def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     return pos
 
 
-def put_packet(packet: Packet) -> dict[str, Any]:
+def put_packet(packet: Packet, publisher: Any = None) -> dict[str, Any]:
     """Put the packet's data into the object store (one object: Ray writes the numpy arrays
     out-of-band, back to back); returns the publisher's metadata with the ref wrapped in a
-    list so Ray passes it on unresolved."""
+    list so Ray passes it on unresolved. With `publisher` (the WeightPublisher handle) the
+    sender announces the version itself, one hop less than through the driver, and returns
+    the metadata without the ref and with "published"."""
     import ray
 
-    return {**packet.meta(), "ref": [ray.put(packet.data)]}
+    meta = {**packet.meta(), "ref": [ray.put(packet.data)]}
+    if publisher is None:
+        return meta
+    ok = bool(ray.get(publisher.publish_packed.remote(packet.data.version, meta)))
+    return {**{k: v for k, v in meta.items() if k != "ref"}, "published": ok}
 
 
 # ----------------------------------------------------------------------------- replica side

@@ -125,7 +125,7 @@ class ObjectStoreTransport:
     full, or with `options.delta` the bits changed since the version before; replicas fetch
     zero-copy views and load them into their parameters in place.
 
-    `sender`: anything with a `pack_weights(version, packer)` remote method (the trainer's
+    `sender`: anything with a `pack_weights(version, packer, publisher)` remote method (the trainer's
     rank 0 worker, or a bench's stand-in); a TrainerGroup stands for its rank 0. `dtype`: the
     engines' dtype (floating weights are cast to it before sending, and deltas are taken on
     it); `inplace`: the engines load packed updates in place (the torch backend), which
@@ -143,9 +143,11 @@ class ObjectStoreTransport:
     def publish(self, version: int) -> bool:
         import ray
 
-        meta = ray.get(self.sender.pack_weights.remote(version, self.packer))
+        # the sender puts the version and announces it to the publisher itself
+        meta = ray.get(self.sender.pack_weights.remote(version, self.packer,
+                                                       self.serving.publisher))
         self.last = {k: v for k, v in meta.items() if k in ("kind", "version", "nbytes")}
-        return bool(ray.get(self.serving.publisher.publish_packed.remote(version, meta)))
+        return bool(meta["published"])
 
 
 class CollectiveTransport:
