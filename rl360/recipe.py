@@ -92,6 +92,17 @@ class ServeSection(_S):
     default_max_tokens: PosInt = 256
     matcher: Literal["strict", "loose_tool_call"] = "loose_tool_call"
     session_ttl_s: Annotated[float, Meta(gt=0.0)] = 3600.0
+    # a reply cut by max_tokens: "continue" lets the agent go on after it (the missing
+    # end-of-turn becomes a mask-0 junction token, counted synthetic_eos); "reject": 409
+    truncated: Literal["continue", "reject"] = "continue"
+    # which leaves of a session's token forest become training samples: every leaf, the
+    # one with the most tokens, or the latest
+    picker: Literal["all", "longest", "last"] = "all"
+    # a session's forest stops growing here (a clear 409 names the key): nodes are
+    # generations (n>1 counts n), tokens count shared prefixes once
+    max_session_nodes: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024
+    max_session_tokens: Annotated[int, Meta(ge=16, le=1 << 30)] = 1 << 20
+    max_n: Annotated[int, Meta(ge=1, le=128)] = 16  # the most choices one request may ask
     # Serve's HTTP proxies: on every node (agents' HTTP calls stay on their node) or the head
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 

@@ -112,11 +112,31 @@ EpisodeStatus = Literal["ok", "truncated", "timeout", "error", "infra_error"]
 Provenance = Literal["prompt", "delta", "junction", "generated", "client_assistant"]
 
 
+class Sample(msgspec.Struct, omit_defaults=True):
+    """One picked leaf of a session's token forest: the whole path from its root (the same
+    per-token fields as Trajectory). `node` is the leaf's id in the session's forest."""
+
+    node: int
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float | None]
+    versions: list[int | None]
+    provenance: list[str]
+    messages: list[Message] = msgspec.field(default_factory=list)
+    turns: int = 0
+    truncated: bool = False
+    rerender: dict[str, Any] = msgspec.field(default_factory=dict)
+    reward: Reward | None = None  # per-leaf reward, where the env gives one
+
+
 class Trajectory(msgspec.Struct, omit_defaults=True):
     """The token ledger of one session, plus (once an episode is scored) its reward.
 
     tokens, mask, logprobs, versions and provenance have equal length. mask is 1 exactly on
     tokens the engine generated in this session; logprobs/versions are None elsewhere.
+    A session's ledger is a forest; the top-level fields are its primary picked sample (the
+    latest picked leaf; for a linear conversation, the conversation) and `branches` the other
+    picked leaves, each trained as its own sample with the episode's reward unless it has one.
     """
 
     session_id: str
@@ -130,6 +150,7 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     truncated: bool = False
     counters: dict[str, int] = msgspec.field(default_factory=dict)
     rerender: dict[str, Any] = msgspec.field(default_factory=dict)
+    branches: list[Sample] = msgspec.field(default_factory=list)
     # filled by the env actor once the episode is verified
     task_id: str | None = None
     group_id: str | None = None

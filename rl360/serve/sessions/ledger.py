@@ -1,36 +1,50 @@
-"""The token ledger of one session (token-in, token-out). See docs/TITO.md.
+"""The token ledger of one session (token-in, token-out): a forest of token nodes. See
+docs/TITO.md, sections 1-3.
 
-A linear ledger: one chain of tokens per session. Each token carries its id, a loss mask
-(1 only on tokens the engine generated in this session), the sampling logprob and policy
-version (None on tokens the engine did not generate) and a provenance tag.
+Each node is one generation: its own tokens are the template delta rendered for the request's
+new messages (mask 0) followed by what the engine generated (mask 1, with logprob and policy
+version). A node's full token sequence (its snapshot) is its parent's snapshot plus its own
+tokens; a root's own tokens start with the whole rendered first prompt. Shared prefixes are
+therefore stored once, and nodes are never changed or deleted (TITO invariant 12).
+
+A request attaches at the deepest node whose whole message history is a strict prefix of the
+request's messages (the matcher of TITO case 9 decides equality; the stored messages and
+tokens stay authoritative; ties go to the latest node). Where it diverges from a stored path it
+branches (counted `prefix_changed`, or `retry` when it resends a stored request); a request
+matching no root, or with another tool list, opens a new root (`new_root`). `n > 1` choices
+and concurrent requests become siblings under the node they saw when they arrived.
 
 A turn goes in two steps so that a rejected or failed request changes nothing (invariant 8):
-`prepare()` validates the request against the stored conversation and computes the prompt ids
-without touching state; `commit()` appends the template delta and the generation atomically,
-and refuses if another request committed in between (concurrent requests in one session).
-
-What the model generated is never re-encoded. Later turns are appended as the chat template's
-token delta, rendered in the real conversation's context and sliced at token level behind a
-prefix guard (TITO case 2). Handled cases: junction tokens the engine never emits (3), an
-alternate EOS (5), `max_tokens` truncation closes the chain (6), stop strings and stop tokens
-get a synthetic end-of-turn junction (7), tool groups rendered in one delta (11), empty
-content with tool calls (12), client-injected assistant messages as prompt (13), a retry of
-the latest turn replaces it and keeps the abandoned attempt (14), tools changed mid-session
-rejected (21), per-token versions (19). A deep rewrite of history (15), n>1 (16) and
-concurrent siblings (17) need a tree ledger; here they are rejected with 409/400 and counted.
+`prepare()` validates and computes the prompt ids without touching state; `commit()` adds
+the node(s), re-checking the session's caps. What the model generated is never re-encoded:
+later turns append the chat template's token delta, rendered in the real conversation's
+context and sliced at token level behind a prefix guard (case 2); junction tokens the engine
+never emits (3); an alternate EOS is kept and counted (5); a reply cut by `max_tokens` is
+continued with a synthetic end-of-turn junction (`truncated="continue"`, counted
+`synthetic_eos`) or refused with 409 (`"reject"`, and the cut node stays a leaf) (6);
+stop strings and stop tokens get the same synthetic end-of-turn (7); tool groups render in
+one delta (11); client-injected assistant messages are prompt (13); per-token versions (19).
 """
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from rl360.policies.chat import ChatRenderer
-from rl360.types import Generation, Message, ToolSpec, Trajectory
+from rl360.serve.sessions.matching import (
+    MATCHERS,
+    GuardFailed,
+    compare_segments,
+    group_messages,
+    guard,
+    tools_key,
+)
+from rl360.serve.sessions.picker import pick
+from rl360.types import Generation, Message, Sample, ToolSpec, Trajectory
+
+TRUNCATED_MODES = ("continue", "reject")
 
 
 class LedgerError(Exception):
@@ -43,136 +57,200 @@ class LedgerError(Exception):
         self.message = message
 
 
+Segment = tuple[list[int], str]  # (ids, provenance), appended before generation
+
+
 @dataclass
 class PreparedTurn:
     """Everything a commit needs, computed without touching the ledger."""
 
-    seq: int  # ledger seq at prepare time; commit refuses if it moved
-    base_len: int  # keep tokens[:base_len] (shorter than the ledger only on a retry)
-    base_messages: int  # keep messages[:base_messages]
-    segments: list[tuple[list[int], str]]  # (ids, provenance) appended before generation
+    parent: int | None  # the node this request attaches under; None: a new root
+    segments: list[Segment]
     prompt_ids: list[int]
     new_messages: list[Message]
     tools: list[ToolSpec] | None = None
-    retry: bool = False
+    tools_key: str = "[]"
+    kind: str = "chat"  # "chat" | "completion"
     counters: Counter[str] = field(default_factory=Counter)
+    branch: dict[str, Any] | None = None  # where and why it left a stored path
 
 
 @dataclass
-class _Turn:
-    prompt_len: int  # tokens in the ledger when generation started
-    base_len: int  # tokens before this turn's delta
-    base_messages: int
-    request_messages: list[Message]
+class Node:
+    id: int  # == seq: strictly increasing, never reused
+    parent: int | None
+    segments: list[Segment]  # shared (not copied) by the n choices of one request
+    gen_ids: list[int]
+    gen_logprobs: list[float]
+    gen_versions: list[int]
+    messages: list[Message]  # the request's new messages, then the reply (chat nodes)
+    n_history: int  # messages on the path before this node's own
+    tools: list[ToolSpec] | None
+    tools_key: str
+    kind: str
     response_id: str
+    choice: int
     finish_reason: str
     stop_kind: str
-    n_generated: int
+    prompt_len: int  # snapshot length when generation started (the engine's input_ids)
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def own_len(self) -> int:
+        return sum(len(ids) for ids, _ in self.segments) + len(self.gen_ids)
+
+    @property
+    def history_len(self) -> int:
+        return self.n_history + len(self.messages)
+
+
+@dataclass
+class Path:
+    """A node's snapshot: every token from its root to it, with the per-token fields."""
+
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    provenance: list[str] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
 
 
 class SessionLedger:
-    def __init__(self, session_id: str, renderer: ChatRenderer, matcher: str = "loose_tool_call"):
+    def __init__(
+        self,
+        session_id: str,
+        renderer: ChatRenderer,
+        matcher: str = "loose_tool_call",
+        truncated: str = "continue",
+        max_nodes: int = 1024,
+        max_tokens: int = 1 << 20,
+    ) -> None:
         if matcher not in MATCHERS:
             raise ValueError(f"unknown message matcher {matcher!r}; known: {sorted(MATCHERS)}")
+        if truncated not in TRUNCATED_MODES:
+            raise ValueError(f"serve.truncated must be one of {TRUNCATED_MODES}, not {truncated!r}")
         self.session_id = session_id
         self.renderer = renderer
         self._same = MATCHERS[matcher]
-        self.tokens: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float | None] = []
-        self.versions: list[int | None] = []
-        self.provenance: list[str] = []
-        self.messages: list[Message] = []
-        self.tools: list[ToolSpec] | None = None
-        self.turns: list[_Turn] = []
-        self.abandoned: list[dict[str, Any]] = []
+        self.truncated_mode = truncated
+        self.max_nodes = max_nodes
+        self.max_tokens = max_tokens
+        self.nodes: list[Node] = []
+        self.roots: list[int] = []
+        self.stored_tokens = 0
+        self.branches: list[dict[str, Any]] = []
         self.counters: Counter[str] = Counter()
-        self.seq = 0
 
-    # ------------------------------------------------------------------ prepare
+    # ------------------------------------------------------------------ reading
+
+    def path(self, nid: int) -> Path:
+        chain: list[Node] = []
+        cur: int | None = nid
+        while cur is not None:
+            chain.append(self.nodes[cur])
+            cur = self.nodes[cur].parent
+        p = Path(nodes=chain[::-1])
+        for n in p.nodes:
+            for ids, prov in n.segments:
+                k = len(ids)
+                p.tokens += ids
+                p.mask += [0] * k
+                p.logprobs += [None] * k
+                p.versions += [None] * k
+                p.provenance += [prov] * k
+            k = len(n.gen_ids)
+            p.tokens += n.gen_ids
+            p.mask += [1] * k
+            p.logprobs += n.gen_logprobs
+            p.versions += n.gen_versions
+            p.provenance += ["generated"] * k
+            p.messages += n.messages
+        return p
+
+    def path_tokens(self, nid: int) -> list[int]:
+        return self.path(nid).tokens
+
+    def leaves(self) -> list[int]:
+        return [n.id for n in self.nodes if not n.children]
+
+    # ------------------------------------------------------------------ prepare (chat)
 
     def prepare(self, messages: list[Message], tools: list[ToolSpec] | None) -> PreparedTurn:
         if not messages:
             raise LedgerError(400, "empty_messages", "messages must not be empty")
         tools = tools or None
-        if not self.turns:
-            return self._prepare_first(messages, tools)
-        if _tools_key(tools) != _tools_key(self.tools):
-            self.counters["render_config_changed"] += 1
-            raise LedgerError(
-                409,
-                "tools_changed",
-                "the tool list cannot change within a session (it is rendered into the first "
-                "system block); open a new session",
-            )
-        stored = self.messages
-        if len(messages) > len(stored) and all(
-            self._same(a, b) for a, b in zip(messages, stored, strict=False)
-        ):
-            last = self.turns[-1]
-            if last.finish_reason == "length":
+        self._check_node_cap(1)
+        tkey = tools_key(tools)
+        parent, _reach, diverged = self._attach(messages, tkey)
+        if parent is None:
+            prep = self._prepare_root(messages, tools, tkey)
+            if self.roots:
+                prep.counters["new_root"] += 1
+                if all(self.nodes[r].tools_key != tkey for r in self.roots):
+                    prep.counters["render_config_changed"] += 1
+        else:
+            node = self.nodes[parent]
+            if node.kind != "chat":
+                raise LedgerError(409, "mixed_apis", "this session's history holds a "
+                                  "/v1/completions turn; use /v1/completions or a new session")
+            if node.finish_reason == "length" and self.truncated_mode == "reject":
                 self.counters["extend_truncated_rejected"] += 1
                 raise LedgerError(
                     409,
                     "truncated",
                     "the previous generation was cut by max_tokens (finish_reason=length) and "
-                    "cannot be extended; resend the history before it to branch from there",
+                    "this server has serve.truncated='reject'; resend the history before it to "
+                    "branch from there",
                 )
-            return self._prepare_append(messages[len(stored) :], len(self.tokens), len(stored))
-        last = self.turns[-1]
-        if len(messages) == len(last.request_messages) and all(
-            self._same(a, b) for a, b in zip(messages, last.request_messages, strict=True)
-        ):
-            # the same request again: a retry of the latest turn (TITO case 14)
-            prep = self._replay(last)
-            prep.retry = True
-            return prep
-        idx = _first_divergence(messages, stored, self._same)
-        self.counters["prefix_changed"] += 1
-        raise LedgerError(
-            409,
-            "history_diverged",
-            f"messages[{idx}] differs from what this session recorded (or the request drops "
-            "the latest reply); a linear ledger only appends. Send the recorded history "
-            "(the replies this server returned) or open a new session",
-        )
+            prep = self._prepare_append(node, messages[node.history_len :])
+        if diverged is not None:
+            if diverged >= len(messages):  # the request resends a stored request: a retry
+                prep.counters["retry"] += 1
+            else:
+                prep.counters["prefix_changed"] += 1
+            prep.branch = {"first_divergent_index": diverged, "attached_at": parent}
+        self._check_token_cap(prep)
+        return prep
 
-    def _prepare_first(self, messages: list[Message], tools: list[ToolSpec] | None) -> PreparedTurn:
+    def _attach(self, messages: list[Message], tkey: str) -> tuple[int | None, int, int | None]:
+        """(deepest node whose history is a strict prefix of `messages`, its history length,
+        and, when the request leaves a stored path (a sibling or another root it does not
+        extend), the index of the first message where it differs from the closest one)."""
+        best: int | None = None
+        best_reach = 0
+        further = -1  # how far the request matched a stored node it does not extend
+        stack = [r for r in self.roots if self.nodes[r].tools_key == tkey and self.nodes[r].kind == "chat"]
+        while stack:
+            n = self.nodes[stack.pop()]
+            k = 0
+            rest = messages[n.n_history :]
+            for a, b in zip(n.messages, rest, strict=False):
+                if not self._same(b, a):
+                    break
+                k += 1
+            reach = n.n_history + k
+            if k == len(n.messages) and reach < len(messages):
+                if reach > best_reach or (reach == best_reach and best is not None and n.id > best):
+                    best, best_reach = n.id, reach
+                stack.extend(n.children)
+            else:
+                further = max(further, reach)
+        return best, best_reach, (further if further >= 0 else None)
+
+    def _prepare_root(self, messages: list[Message], tools: list[ToolSpec] | None,
+                      tkey: str) -> PreparedTurn:
         ids = self._render(messages, tools, add_generation_prompt=True)
-        return PreparedTurn(
-            seq=self.seq,
-            base_len=0,
-            base_messages=0,
-            segments=[(ids, "prompt")],
-            prompt_ids=list(ids),
-            new_messages=list(messages),
-            tools=tools,
-        )
+        return PreparedTurn(parent=None, segments=[(ids, "prompt")], prompt_ids=list(ids),
+                            new_messages=list(messages), tools=tools, tools_key=tkey)
 
-    def _replay(self, turn: _Turn) -> PreparedTurn:
-        segments: list[tuple[list[int], str]] = []
-        i = turn.base_len
-        while i < turn.prompt_len:  # the turn's own delta, in runs of one provenance
-            j = i
-            while j < turn.prompt_len and self.provenance[j] == self.provenance[i]:
-                j += 1
-            segments.append((self.tokens[i:j], self.provenance[i]))
-            i = j
-        return PreparedTurn(
-            seq=self.seq,
-            base_len=turn.base_len,
-            base_messages=turn.base_messages,
-            segments=segments,
-            prompt_ids=self.tokens[: turn.prompt_len],
-            new_messages=turn.request_messages[turn.base_messages :],
-            tools=self.tools,
-        )
-
-    def _prepare_append(self, new: list[Message], base_len: int, n_stored: int) -> PreparedTurn:
+    def _prepare_append(self, node: Node, new: list[Message]) -> PreparedTurn:
         r = self.renderer
+        path = self.path(node.id)
         counters: Counter[str] = Counter()
-        prefix = self._render(self.messages, self.tools, add_generation_prompt=False)
-        segments: list[tuple[list[int], str]] = []
+        prefix = self._render(path.messages, node.tools, add_generation_prompt=False)
+        segments: list[Segment] = []
         # junction: what the template renders after the last end-of-turn, which the engine
         # never emits (e.g. the "\n" after <|im_end|>); TITO case 3
         try:
@@ -180,35 +258,35 @@ class SessionLedger:
         except ValueError:
             k = len(prefix) - 1
         junction = prefix[k + 1 :]
-        last_kind = self.turns[-1].stop_kind
-        if last_kind in ("stop_string", "stop_token"):
+        if node.stop_kind in ("stop_string", "stop_token") or node.finish_reason == "length":
             junction = [r.end_of_turn_id, *junction]  # the turn never ended: synthetic EOS
             counters["synthetic_eos"] += 1
+            if node.finish_reason == "length":
+                counters["continued_truncated"] += 1
         if junction:
             segments.append((junction, "junction"))
         # the new messages, one group at a time (consecutive tool results form one group)
         done = prefix
-        groups = _group_messages(new)
-        sofar = list(self.messages)
+        sofar = list(path.messages)
         try:
-            for g in groups:
+            for g in group_messages(new):
                 sofar += g
-                full = self._render(sofar, self.tools, add_generation_prompt=False)
-                _guard(done, full)
+                full = self._render(sofar, node.tools, add_generation_prompt=False)
+                guard(done, full)
                 prov = "client_assistant" if g[0].role == "assistant" else "delta"
                 segments.append((full[len(done) :], prov))
                 done = full
-            full = self._render(sofar, self.tools, add_generation_prompt=True)
-            _guard(done, full)
+            full = self._render(sofar, node.tools, add_generation_prompt=True)
+            guard(done, full)
             segments.append((full[len(done) :], "delta"))
-        except _GuardFailed:
+        except GuardFailed:
             # a template whose per-group renders are not prefixes of each other: render the
             # whole suffix in one call (still guarded against the stored prefix)
             counters["delta_regrouped"] += 1
-            full = self._render(self.messages + new, self.tools, add_generation_prompt=True)
+            full = self._render(path.messages + new, node.tools, add_generation_prompt=True)
             try:
-                _guard(prefix, full)
-            except _GuardFailed as exc:
+                guard(prefix, full)
+            except GuardFailed as exc:
                 self.counters["delta_guard_failed"] += 1
                 raise LedgerError(
                     422,
@@ -219,18 +297,12 @@ class SessionLedger:
             segments = [s for s in segments if s[1] == "junction"]
             segments.append((full[len(prefix) :], "delta"))
         segments = [s for s in segments if s[0]]
-        prompt = list(self.tokens)
+        prompt = list(path.tokens)
         for ids, _ in segments:
             prompt += ids
-        return PreparedTurn(
-            seq=self.seq,
-            base_len=base_len,
-            base_messages=n_stored,
-            segments=segments,
-            prompt_ids=prompt,
-            new_messages=list(new),
-            counters=counters,
-        )
+        return PreparedTurn(parent=node.id, segments=segments, prompt_ids=prompt,
+                            new_messages=list(new), tools=node.tools, tools_key=node.tools_key,
+                            counters=counters)
 
     def _render(
         self, messages: list[Message], tools: list[ToolSpec] | None, add_generation_prompt: bool
@@ -242,230 +314,169 @@ class SessionLedger:
                 400, "template_error", f"the chat template cannot render these messages: {exc}"
             ) from None
 
+    # ------------------------------------------------------------------ prepare (completions)
+
+    def prepare_completion(self, ids: list[int]) -> PreparedTurn:
+        """A /v1/completions turn attaches at the deepest completion node whose snapshot is a
+        prefix of `ids` (the prompt must extend it at token level), else opens a new root."""
+        if not ids:
+            raise LedgerError(400, "empty_prompt", "prompt must not be empty")
+        self._check_node_cap(1)
+        if any(n.kind == "chat" for n in self.nodes):
+            raise LedgerError(409, "mixed_apis", "this session already holds a chat; "
+                              "use /v1/chat/completions or a new session")
+        best: int | None = None
+        best_len = 0
+        stack = list(self.roots)
+        while stack:
+            n = self.nodes[stack.pop()]
+            snap = self.path_tokens(n.id)
+            if len(snap) <= len(ids) and ids[: len(snap)] == snap:
+                if len(snap) > best_len or (len(snap) == best_len and best is not None and n.id > best):
+                    best, best_len = n.id, len(snap)
+                stack.extend(n.children)
+        prep = PreparedTurn(parent=best, segments=[(list(ids[best_len:]),
+                            "prompt" if best is None else "delta")], prompt_ids=list(ids),
+                            new_messages=[], kind="completion")
+        prep.segments = [s for s in prep.segments if s[0]]
+        if best is None and self.roots:
+            prep.counters["new_root"] += 1
+        self._check_token_cap(prep)
+        return prep
+
+    # ------------------------------------------------------------------ caps
+
+    def _check_node_cap(self, n: int) -> None:
+        if len(self.nodes) + n > self.max_nodes:
+            self.counters["node_cap_rejected"] += 1
+            raise LedgerError(
+                409, "session_node_cap",
+                f"this session holds {len(self.nodes)} nodes and the request adds {n}; the cap "
+                f"is serve.max_session_nodes={self.max_nodes}; open a new session")
+
+    def _check_token_cap(self, prep: PreparedTurn, generated: int = 0) -> None:
+        new = sum(len(ids) for ids, _ in prep.segments) + generated
+        if self.stored_tokens + new > self.max_tokens:
+            self.counters["token_cap_rejected"] += 1
+            raise LedgerError(
+                409, "session_token_cap",
+                f"this session stores {self.stored_tokens} tokens and the request adds {new}; "
+                f"the cap is serve.max_session_tokens={self.max_tokens}; open a new session")
+
     # ------------------------------------------------------------------ commit
 
     def commit(
-        self, prep: PreparedTurn, gen: Generation, reply: Message, response_id: str
-    ) -> None:
-        if prep.seq != self.seq:
-            self.counters["concurrent_conflict"] += 1
-            raise LedgerError(
-                409,
-                "concurrent_request",
-                "another request of this session committed while this one was generating; "
-                "a linear ledger takes one request at a time per session",
+        self, prep: PreparedTurn, choices: list[tuple[Generation, Message | None]],
+        response_id: str,
+    ) -> list[int]:
+        """Add one node per choice (siblings under `prep.parent`, or roots). All or nothing:
+        caps are re-checked here (concurrent requests may have grown the session)."""
+        for gen, _ in choices:
+            if len(gen.logprobs) != len(gen.token_ids):
+                raise LedgerError(502, "engine_contract", "engine returned mismatched logprobs")
+        self._check_node_cap(len(choices))
+        self._check_token_cap(prep, sum(len(g.token_ids) for g, _ in choices))
+        if prep.parent is not None and not 0 <= prep.parent < len(self.nodes):
+            raise LedgerError(409, "unknown_parent", "the node this request attached to is gone")
+        parent = self.nodes[prep.parent] if prep.parent is not None else None
+        n_history = parent.history_len if parent is not None else 0
+        prompt_len = len(prep.prompt_ids)
+        ids: list[int] = []
+        for i, (gen, reply) in enumerate(choices):
+            versions = list(gen.token_versions or [gen.policy_version] * len(gen.token_ids))
+            stop_kind = gen.stop_kind
+            if stop_kind == "eos" and gen.token_ids and gen.token_ids[-1] != self.renderer.end_of_turn_id:
+                stop_kind = "eos_alias"  # TITO case 5: keep the model's id, count it
+                self.counters["eos_alias"] += 1
+            if stop_kind == "stop_string":
+                self.counters["stopped_on_string"] += 1
+            if gen.finish_reason == "length":
+                self.counters["truncated"] += 1
+            if len(set(versions)) > 1:
+                self.counters["mixed_version_turns"] += 1
+            node = Node(
+                id=len(self.nodes), parent=prep.parent, segments=prep.segments,
+                gen_ids=list(gen.token_ids), gen_logprobs=list(gen.logprobs),
+                gen_versions=versions,
+                messages=[*prep.new_messages, *([reply] if reply is not None else [])],
+                n_history=n_history, tools=prep.tools, tools_key=prep.tools_key, kind=prep.kind,
+                response_id=response_id, choice=i, finish_reason=gen.finish_reason,
+                stop_kind=stop_kind, prompt_len=prompt_len,
             )
-        if len(gen.logprobs) != len(gen.token_ids):
-            raise LedgerError(502, "engine_contract", "engine returned mismatched logprobs")
-        if prep.retry:
-            self.counters["retry"] += 1
-            self.abandoned.append(
-                {"tokens": self.tokens[prep.base_len :], "messages": len(self.messages)}
-            )
-        if prep.retry:  # the replaced turn (and nothing before it) leaves the chain
-            self.turns = [t for t in self.turns if t.base_len < prep.base_len]
-        del self.tokens[prep.base_len :]
-        del self.mask[prep.base_len :]
-        del self.logprobs[prep.base_len :]
-        del self.versions[prep.base_len :]
-        del self.provenance[prep.base_len :]
-        del self.messages[prep.base_messages :]
-        for ids, prov in prep.segments:
-            self._extend(ids, 0, [None] * len(ids), [None] * len(ids), prov)
-        prompt_len = len(self.tokens)
-        versions = gen.token_versions or [gen.policy_version] * len(gen.token_ids)
-        self._extend(gen.token_ids, 1, list(gen.logprobs), list(versions), "generated")
-        self.messages += prep.new_messages
-        self.messages.append(reply)
-        if not self.turns and prep.base_len == 0:
-            self.tools = prep.tools
-        stop_kind = gen.stop_kind
-        if stop_kind == "eos" and gen.token_ids and gen.token_ids[-1] != self.renderer.end_of_turn_id:
-            stop_kind = "eos_alias"  # TITO case 5: keep the model's id, count it
-            self.counters["eos_alias"] += 1
-        if stop_kind == "stop_string":
-            self.counters["stopped_on_string"] += 1
-        if gen.finish_reason == "length":
-            self.counters["truncated"] += 1
-        if len(set(versions)) > 1:
-            self.counters["mixed_version_turns"] += 1
+            self.nodes.append(node)
+            if parent is None:
+                self.roots.append(node.id)
+            else:
+                parent.children.append(node.id)
+            ids.append(node.id)
+            self.stored_tokens += len(gen.token_ids)
+        self.stored_tokens += sum(len(s) for s, _ in prep.segments)  # shared by the siblings
         self.counters.update(prep.counters)
-        self.turns.append(
-            _Turn(
-                prompt_len=prompt_len,
-                base_len=prep.base_len,
-                base_messages=prep.base_messages,
-                request_messages=self.messages[: prep.base_messages] + prep.new_messages,
-                response_id=response_id,
-                finish_reason=gen.finish_reason,
-                stop_kind=stop_kind,
-                n_generated=len(gen.token_ids),
-            )
-        )
-        self.seq += 1
-
-    def commit_completion(self, prep: PreparedTurn, gen: Generation) -> None:
-        """Append a /v1/completions turn: the prompt extension, then the generation."""
-        if prep.seq != self.seq:
-            self.counters["concurrent_conflict"] += 1
-            raise LedgerError(409, "concurrent_request", "another request of this session "
-                              "committed while this one was generating")
-        for ids, prov in prep.segments:
-            self._extend(ids, 0, [None] * len(ids), [None] * len(ids), prov)
-        versions = gen.token_versions or [gen.policy_version] * len(gen.token_ids)
-        self._extend(gen.token_ids, 1, list(gen.logprobs), list(versions), "generated")
-        self.seq += 1
-
-    def _extend(
-        self, ids: list[int], m: int, lps: list[float | None], vs: list[int | None], prov: str
-    ) -> None:
-        self.tokens += ids
-        self.mask += [m] * len(ids)
-        self.logprobs += lps
-        self.versions += vs
-        self.provenance += [prov] * len(ids)
+        if len(choices) > 1:
+            self.counters["n_siblings"] += len(choices)
+        if prep.branch is not None:
+            self.branches.append({**prep.branch, "nodes": ids})
+        return ids
 
     # ------------------------------------------------------------------ export
 
-    def trajectory(self) -> Trajectory:
-        return Trajectory(
-            session_id=self.session_id,
-            tokens=list(self.tokens),
-            mask=list(self.mask),
-            logprobs=list(self.logprobs),
-            versions=list(self.versions),
-            provenance=list(self.provenance),
-            messages=list(self.messages),
-            turns=len(self.turns),
-            truncated=bool(self.turns) and self.turns[-1].finish_reason == "length",
-            counters=dict(self.counters),
-            rerender=self.rerender_check(),
+    def sample(self, nid: int) -> Sample:
+        p = self.path(nid)
+        leaf = self.nodes[nid]
+        return Sample(
+            node=nid, tokens=p.tokens, mask=p.mask, logprobs=p.logprobs, versions=p.versions,
+            provenance=p.provenance, messages=p.messages, turns=len(p.nodes),
+            truncated=leaf.finish_reason == "length", rerender=self.rerender_check(p, leaf),
         )
 
-    def rerender_check(self) -> dict[str, Any]:
-        """Re-render the final conversation and compare with the ledger (TITO invariant 7)."""
-        if not self.messages:
+    def trajectory(self, picker: str = "all") -> Trajectory:
+        """The picked leaves as samples: the latest is the top-level sample, the others are
+        `branches`. An empty ledger gives an empty trajectory."""
+        picked = [self.sample(n) for n in pick(self, picker)]
+        counters = dict(self.counters)
+        if not picked:
+            return Trajectory(session_id=self.session_id, tokens=[], mask=[], logprobs=[],
+                              versions=[], provenance=[], counters=counters,
+                              rerender={"match": True})
+        top = picked[-1]
+        return Trajectory(
+            session_id=self.session_id, tokens=top.tokens, mask=top.mask, logprobs=top.logprobs,
+            versions=top.versions, provenance=top.provenance, messages=top.messages,
+            turns=top.turns, truncated=top.truncated, counters=counters, rerender=top.rerender,
+            branches=picked[:-1],
+        )
+
+    def forest(self) -> list[dict[str, Any]]:
+        """Every node, with its own tokens (its snapshot is its parent's plus these)."""
+        out = []
+        for n in self.nodes:
+            own = [t for ids, _ in n.segments for t in ids] + n.gen_ids
+            prov = [p for ids, p in n.segments for _ in ids] + ["generated"] * len(n.gen_ids)
+            out.append({
+                "id": n.id, "parent": n.parent, "children": list(n.children), "kind": n.kind,
+                "response_id": n.response_id, "choice": n.choice,
+                "finish_reason": n.finish_reason, "stop_kind": n.stop_kind,
+                "prompt_tokens": n.prompt_len, "completion_tokens": len(n.gen_ids),
+                "tokens": own, "provenance": prov, "messages": n.history_len,
+            })
+        return out
+
+    def rerender_check(self, p: Path | None = None, leaf: Node | None = None) -> dict[str, Any]:
+        """Re-render a path's conversation and compare with the ledger (TITO invariant 7)."""
+        if p is None or leaf is None or not p.messages or leaf.kind != "chat":
             return {"match": True}
         try:
-            ids = self.renderer.render(self.messages, self.tools, add_generation_prompt=False)
+            ids = self.renderer.render(p.messages, leaf.tools, add_generation_prompt=False)
         except Exception as exc:
             return {"match": False, "error": f"template cannot re-render: {exc}"}
-        # the trailing junction after the final end-of-turn is not in the ledger yet
         eot = self.renderer.end_of_turn_id
-        if self.tokens and self.tokens[-1] in self.renderer.eos_ids and eot in ids:
-            ids = ids[: len(ids) - ids[::-1].index(eot)]
-        if ids == self.tokens:
+        if eot in ids:
+            if p.tokens and p.tokens[-1] in self.renderer.eos_ids:
+                # the trailing junction after the final end-of-turn is not in the ledger yet
+                ids = ids[: len(ids) - ids[::-1].index(eot)]
+            elif leaf.finish_reason == "length" or leaf.stop_kind in ("stop_string", "stop_token"):
+                # the final turn never ended: its end-of-turn is not in the ledger either
+                ids = ids[: len(ids) - ids[::-1].index(eot) - 1]
+        if ids == p.tokens:
             return {"match": True}
-        return {"match": False, **compare_segments(self.tokens, ids, self.renderer)}
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-class _GuardFailed(Exception):
-    pass
-
-
-def _guard(prefix: list[int], full: list[int]) -> None:
-    """TITO invariant 6: full[:len(prefix)] == prefix, at token level."""
-    if full[: len(prefix)] != prefix:
-        i = next((i for i, (a, b) in enumerate(zip(prefix, full, strict=False)) if a != b), len(full))
-        raise _GuardFailed(f"render of the longer conversation differs at token {i}")
-
-
-def _group_messages(msgs: list[Message]) -> list[list[Message]]:
-    groups: list[list[Message]] = []
-    for m in msgs:
-        if groups and m.role == "tool" and groups[-1][-1].role == "tool":
-            groups[-1].append(m)
-        else:
-            groups.append([m])
-    return groups
-
-
-def _tools_key(tools: list[ToolSpec] | None) -> str:
-    return json.dumps(msgspec.to_builtins(tools or []), sort_keys=True)
-
-
-def _content(m: Message) -> str:
-    return m.content or ""
-
-
-def _same_strict(a: Message, b: Message) -> bool:
-    """Roles, content (None == ""), tool call names and argument text; ids/index ignored."""
-    if a.role != b.role or _content(a) != _content(b) or a.tool_call_id != b.tool_call_id:
-        return False
-    ca, cb = a.tool_calls or [], b.tool_calls or []
-    return len(ca) == len(cb) and all(
-        x.function.name == y.function.name and x.function.arguments == y.function.arguments
-        for x, y in zip(ca, cb, strict=True)
-    )
-
-
-def _json_or_text(s: str) -> Any:
-    try:
-        return json.loads(s)
-    except (json.JSONDecodeError, ValueError):
-        return s
-
-
-def _same_loose_tool_call(a: Message, b: Message) -> bool:
-    """As strict, but tool arguments compare as JSON objects and tool_call_id is ignored
-    when one side lacks it."""
-    if a.role != b.role or _content(a) != _content(b):
-        return False
-    if a.tool_call_id and b.tool_call_id and a.tool_call_id != b.tool_call_id:
-        return False
-    ca, cb = a.tool_calls or [], b.tool_calls or []
-    return len(ca) == len(cb) and all(
-        x.function.name == y.function.name
-        and _json_or_text(x.function.arguments) == _json_or_text(y.function.arguments)
-        for x, y in zip(ca, cb, strict=True)
-    )
-
-
-MATCHERS = {"strict": _same_strict, "loose_tool_call": _same_loose_tool_call}
-
-
-def _first_divergence(a: list[Message], b: list[Message], same: Any) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if not same(x, y):
-            return i
-    return min(len(a), len(b))
-
-
-def compare_segments(ledger: list[int], rendered: list[int], r: ChatRenderer) -> dict[str, Any]:
-    """Split both sequences at special tokens and classify the differences (TITO inv. 7)."""
-
-    def split(ids: list[int]) -> tuple[list[int], list[list[int]]]:
-        specials: list[int] = []
-        texts: list[list[int]] = [[]]
-        for t in ids:
-            if t in r.special_ids:
-                specials.append(t)
-                texts.append([])
-            else:
-                texts[-1].append(t)
-        return specials, texts
-
-    sa, ta = split(ledger)
-    sb, tb = split(rendered)
-    out: dict[str, Any] = {
-        "special_token_count": abs(len(sa) - len(sb)),
-        "special_token_type": 0,
-        "eos_alias": 0,
-        "assistant_text": 0,
-        "non_assistant_text": 0,
-    }
-    for x, y in zip(sa, sb, strict=False):
-        if x != y:
-            if x in r.alt_eos_ids and y == r.end_of_turn_id:
-                out["eos_alias"] += 1
-            else:
-                out["special_token_type"] += 1
-    for x, y in zip(ta, tb, strict=False):
-        if x != y:
-            text = r.decode(y[:3]) if y else r.decode(x[:3])
-            key = "assistant_text" if text.startswith("ass") else "non_assistant_text"
-            out[key] += 1
-    return out
+        return {"match": False, **compare_segments(p.tokens, ids, self.renderer)}

@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response bodies (msgspec), and their conversions.
 
 Requests ignore fields we do not use (clients send many), except the ones that would change
-what the ledger records (`input_ids`, `prompt_token_ids`, `n > 1`): those are refused."""
+what the ledger records (`input_ids`, `prompt_token_ids`): those are refused."""
 
 from __future__ import annotations
 
@@ -99,16 +99,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def chat_completion_body(
-    response_id: str,
-    model: str,
-    message: Message,
-    finish_reason: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    extra: dict[str, Any],
-    logprobs: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+def _message_body(message: Message) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant", "content": message.content}
     if message.tool_calls:
         msg["tool_calls"] = [
@@ -118,14 +109,30 @@ def chat_completion_body(
         ]
         if not message.content:
             msg["content"] = None
-    choice: dict[str, Any] = {"index": 0, "message": msg, "finish_reason": finish_reason}
-    choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
+    return msg
+
+
+def chat_completion_body(
+    response_id: str,
+    model: str,
+    choices: list[tuple[Message, str, list[dict[str, Any]] | None]],
+    prompt_tokens: int,
+    completion_tokens: int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """`choices`: (reply, finish_reason, per-token logprobs or None) for each of the n."""
+    out = []
+    for i, (message, finish_reason, logprobs) in enumerate(choices):
+        choice: dict[str, Any] = {"index": i, "message": _message_body(message),
+                                  "finish_reason": finish_reason}
+        choice["logprobs"] = {"content": logprobs} if logprobs is not None else None
+        out.append(choice)
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": out,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -138,17 +145,18 @@ def chat_completion_body(
 def chat_stream_chunks(body: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
     """One complete response as SSE chunks. The engine call is not streamed: the ledger is
     committed first, so a streamed and a non-streamed run record the same tokens (TITO 20)."""
-    choice = body["choices"][0]
-    msg = choice["message"]
     base = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    chunks = [base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
-    if msg.get("content"):
-        chunks.append(base | {"choices": [{"index": 0, "delta": {"content": msg["content"]}}]})
-    for i, tc in enumerate(msg.get("tool_calls") or []):
-        delta = {"tool_calls": [{"index": i, **tc}]}
-        chunks.append(base | {"choices": [{"index": 0, "delta": delta}]})
-    last: dict[str, Any] = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
-    chunks.append(base | {"choices": [last]})
+    chunks = []
+    for choice in body["choices"]:
+        i, msg = choice["index"], choice["message"]
+        chunks.append(base | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
+        if msg.get("content"):
+            chunks.append(base | {"choices": [{"index": i, "delta": {"content": msg["content"]}}]})
+        for k, tc in enumerate(msg.get("tool_calls") or []):
+            delta = {"tool_calls": [{"index": k, **tc}]}
+            chunks.append(base | {"choices": [{"index": i, "delta": delta}]})
+        last: dict[str, Any] = {"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}
+        chunks.append(base | {"choices": [last]})
     if include_usage:
         chunks.append(base | {"choices": [], "usage": body["usage"]})
     return chunks

@@ -29,6 +29,7 @@ from rl360.serve.sessions.openai_types import (
     chat_completion_body,
     new_id,
 )
+from rl360.serve.sessions.picker import pick
 from rl360.types import Generation, Message, SamplingParams
 
 log = logging.getLogger("rl360.sessions")
@@ -84,13 +85,18 @@ class SessionService:
              session_id: str | None = None) -> dict[str, str]:
         sid = session_id or uuid.uuid4().hex
         try:
-            ledger = SessionLedger(sid, self.renderer, matcher or self.config.matcher)
+            ledger = self._ledger(sid, matcher)
         except ValueError as exc:
             raise LedgerError(422, "bad_matcher", str(exc)) from None
         token = secrets.token_urlsafe(24)
         self.sessions[sid] = _Session(token=token, ledger=ledger, metadata=dict(metadata or {}))
         self.events["sessions_opened"] += 1
         return {"id": sid, "token": token}
+
+    def _ledger(self, sid: str, matcher: str | None = None) -> SessionLedger:
+        c = self.config
+        return SessionLedger(sid, self.renderer, matcher or c.matcher, c.truncated,
+                             c.max_session_nodes, c.max_session_tokens)
 
     def _get(self, sid: str, token: str | None) -> _Session:
         s = self.sessions.get(sid)
@@ -102,12 +108,22 @@ class SessionService:
         return s
 
     def trajectory(self, sid: str, token: str | None) -> dict[str, Any]:
+        """The picked samples (top level: the latest picked leaf; `branches`: the others),
+        plus the whole `forest`, the ids of the `picked` leaves and the `branch_points`."""
         s = self._get(sid, token)
-        traj = s.ledger.trajectory()
+        try:
+            traj = s.ledger.trajectory(self.config.picker)
+        except ValueError as exc:
+            raise LedgerError(500, "bad_picker", str(exc)) from None
         traj.counters["malformed_tool_calls"] = s.malformed_tool_calls
         traj.task_id = s.metadata.get("task_id")
         traj.group_id = s.metadata.get("group_id")
-        return msgspec.to_builtins(traj)
+        out = msgspec.to_builtins(traj)
+        out.setdefault("branches", [])
+        out["picked"] = pick(s.ledger, self.config.picker)
+        out["forest"] = s.ledger.forest()
+        out["branch_points"] = list(s.ledger.branches)
+        return out
 
     def close(self, sid: str, token: str | None) -> dict[str, Any]:
         traj = self.trajectory(sid, token)
@@ -143,55 +159,63 @@ class SessionService:
     async def _chat(
         self, sid: str | None, token: str | None, req: ChatCompletionRequest
     ) -> dict[str, Any]:
-        _refuse_control_fields(req.input_ids, req.prompt_token_ids, req.n)
+        _refuse_control_fields(req.input_ids, req.prompt_token_ids, req.n, self.config.max_n)
         if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "auto", "none"):
             raise LedgerError(400, "unsupported", "tool_choice must be 'auto' or 'none' here")
         messages = [m.to_message() for m in req.messages]
         if sid is None:  # sessionless call: an ephemeral ledger, nothing is kept
             session = None
-            ledger = SessionLedger("ephemeral", self.renderer, self.config.matcher)
+            ledger = self._ledger("ephemeral")
         else:
             session = self._get(sid, token)
             ledger = session.ledger
-        prep = ledger.prepare(messages, req.tools)
+        prep = ledger.prepare(messages, req.tools)  # the parent is captured here (TITO 17)
         sampling = self._sampling(
             prep, req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
         )
-        gen = await self._generate(prep.prompt_ids, sampling, sid)
-        text = self.renderer.decode(_strip_stop_token(gen))
-        if gen.stop_string and gen.stop_string in text:
-            text = text[: text.index(gen.stop_string)]
-        if req.tool_choice == "none":
-            reply = Message(role="assistant", content=text)
-            malformed = 0
-        else:
-            parsed = self.renderer.parse_assistant(text)
-            reply = Message(role="assistant", content=parsed.content, tool_calls=parsed.tool_calls or None)
-            malformed = parsed.malformed_tool_calls
+        gens = await self._generate_n(prep.prompt_ids, sampling, sid, req.n)
+        replies: list[tuple[Generation, Message]] = []
+        malformed = 0
+        for gen in gens:
+            text = self.renderer.decode(_strip_stop_token(gen))
+            if gen.stop_string and gen.stop_string in text:
+                text = text[: text.index(gen.stop_string)]
+            if req.tool_choice == "none":
+                reply = Message(role="assistant", content=text)
+            else:
+                parsed = self.renderer.parse_assistant(text)
+                reply = Message(role="assistant", content=parsed.content,
+                                tool_calls=parsed.tool_calls or None)
+                malformed += parsed.malformed_tool_calls
+            replies.append((gen, reply))
         response_id = new_id("chatcmpl")
-        ledger.commit(prep, gen, reply, response_id)  # raises on a concurrent commit
+        ledger.commit(prep, replies, response_id)  # n siblings under the captured parent
         if session is not None:
             session.malformed_tool_calls += malformed
             session.completions += 1
         self.events["chat_completions"] += 1
         self.events["malformed_tool_calls"] += malformed
-        finish = "tool_calls" if reply.tool_calls else gen.finish_reason
-        lps = None
-        if req.logprobs:
-            lps = [
-                {"token": self.renderer.decode([t]), "logprob": lp, "token_id": t}
-                for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
-            ]
+        choices = []
+        for gen, reply in replies:
+            finish = "tool_calls" if reply.tool_calls else gen.finish_reason
+            lps = None
+            if req.logprobs:
+                lps = [
+                    {"token": self.renderer.decode([t]), "logprob": lp, "token_id": t}
+                    for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
+                ]
+            choices.append((reply, finish, lps))
+        first = gens[0]
         extra = {
-            "policy_version": gen.policy_version,
+            "policy_version": first.policy_version,
             "malformed_tool_calls": malformed,
-            "stop_kind": gen.stop_kind,
-            "engine_replica": gen.engine_replica,
+            "stop_kind": first.stop_kind,
+            "engine_replica": first.engine_replica,
         }
         return chat_completion_body(
-            response_id, req.model or self.model_name, reply, finish,
-            len(prep.prompt_ids), len(gen.token_ids), extra, lps,
+            response_id, req.model or self.model_name, choices,
+            len(prep.prompt_ids), sum(len(g.token_ids) for g in gens), extra,
         )
 
     # ------------------------------------------------------------------ completions
@@ -208,25 +232,13 @@ class SessionService:
     async def _complete(
         self, sid: str | None, token: str | None, req: CompletionRequest
     ) -> dict[str, Any]:
-        _refuse_control_fields(None, None, req.n)
+        _refuse_control_fields(None, None, req.n, 1)
         ids = list(req.prompt) if isinstance(req.prompt, list) else self.renderer.encode(req.prompt)
         if not ids:
             raise LedgerError(400, "empty_prompt", "prompt must not be empty")
         session = self._get(sid, token) if sid is not None else None
-        if session is not None:
-            led = session.ledger
-            if led.messages:
-                raise LedgerError(409, "mixed_apis", "this session already holds a chat; "
-                                  "use /v1/chat/completions or a new session")
-            if ids[: len(led.tokens)] != led.tokens:
-                raise LedgerError(409, "history_diverged", "in a session, each prompt must "
-                                  "extend the previous prompt plus its completion")
-        base = len(session.ledger.tokens) if session else 0
-        prep = PreparedTurn(
-            seq=session.ledger.seq if session else 0, base_len=base, base_messages=0,
-            segments=[(ids[base:], "prompt" if base == 0 else "delta")], prompt_ids=ids,
-            new_messages=[],
-        )
+        ledger = session.ledger if session is not None else self._ledger("ephemeral")
+        prep = ledger.prepare_completion(ids)
         sampling = self._sampling(prep, req.temperature, req.top_p, req.top_k,
                                   req.max_tokens or 16, req.stop, req.stop_token_ids, req.seed,
                                   eos=False)
@@ -235,8 +247,7 @@ class SessionService:
         if gen.stop_string and gen.stop_string in text:
             text = text[: text.index(gen.stop_string)]
         response_id = new_id("cmpl")
-        if session is not None:
-            session.ledger.commit_completion(prep, gen)
+        ledger.commit(prep, [(gen, None)], response_id)
         choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": gen.finish_reason,
                                   "logprobs": None}
         if req.logprobs:
@@ -277,6 +288,15 @@ class SessionService:
             eos_token_ids=self.renderer.eos_ids if eos else [],
         )
 
+    async def _generate_n(self, ids: list[int], sampling: SamplingParams, sid: str | None,
+                          n: int) -> list[Generation]:
+        if n == 1:
+            return [await self._generate(ids, sampling, sid)]
+        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(n)]
+        return list(await asyncio.gather(*(
+            self._generate(ids, msgspec.structs.replace(sampling, seed=sd), sid) for sd in seeds
+        )))
+
     async def _generate(self, ids: list[int], sampling: SamplingParams, sid: str | None) -> Generation:
         try:
             return await self.engine.generate(ids, sampling, sid)
@@ -289,12 +309,12 @@ class SessionService:
             raise LedgerError(503, "engine_unavailable", f"engine call failed: {exc!r}") from None
 
 
-def _refuse_control_fields(input_ids: Any, prompt_token_ids: Any, n: int) -> None:
+def _refuse_control_fields(input_ids: Any, prompt_token_ids: Any, n: int, max_n: int) -> None:
     if input_ids is not None or prompt_token_ids is not None:
         raise LedgerError(400, "client_token_ids", "input_ids / prompt_token_ids are not "
                           "accepted: the session's ledger decides the prompt tokens")
-    if n != 1:
-        raise LedgerError(400, "unsupported", "n must be 1: open one session per sample")
+    if not 1 <= n <= max_n:
+        raise LedgerError(400, "unsupported", f"n must be between 1 and {max_n} here")
 
 
 def _strip_stop_token(gen: Generation) -> list[int]:
