@@ -126,7 +126,6 @@ class Sample(msgspec.Struct, omit_defaults=True):
     turns: int = 0
     truncated: bool = False
     rerender: dict[str, Any] = msgspec.field(default_factory=dict)
-    reward: Reward | None = None  # per-leaf reward, where the env gives one
 
 
 class Trajectory(msgspec.Struct, omit_defaults=True):
@@ -136,7 +135,7 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     tokens the engine generated in this session; logprobs/versions are None elsewhere.
     A session's ledger is a forest; the top-level fields are its primary picked sample (the
     latest picked leaf; for a linear conversation, the conversation) and `branches` the other
-    picked leaves, each trained as its own sample with the episode's reward unless it has one.
+    picked leaves, each trained as its own sample with the episode's reward and advantage.
     """
 
     session_id: str
@@ -161,12 +160,15 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
 
     def record(self) -> EpisodeRecord:
         """What the controller and the buffer need of this episode: no token data."""
-        gen = [v for v, m in zip(self.versions, self.mask, strict=True) if m and v is not None]
+        picked = [self, *self.branches]  # every picked leaf is trained
+        gen = [v for s in picked for v, m in zip(s.versions, s.mask, strict=True)
+               if m and v is not None]
         return EpisodeRecord(
             task_id=self.task_id or "", group_id=self.group_id or "", status=self.status,
-            reward=self.reward, error=self.error, tokens=len(self.tokens),
-            loss_tokens=int(sum(self.mask)), min_version=min(gen) if gen else 0,
-            max_version=max(gen) if gen else 0, timings=dict(self.timings))
+            reward=self.reward, error=self.error, tokens=sum(len(s.tokens) for s in picked),
+            loss_tokens=int(sum(sum(s.mask) for s in picked)), min_version=min(gen) if gen else 0,
+            max_version=max(gen) if gen else 0, timings=dict(self.timings),
+            samples=len(picked))
 
 
 class EpisodeRecord(msgspec.Struct, omit_defaults=True):
@@ -184,6 +186,7 @@ class EpisodeRecord(msgspec.Struct, omit_defaults=True):
     min_version: int = 0  # oldest / newest policy version among the generated tokens
     max_version: int = 0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
+    samples: int = 1  # trained sequences: the primary sample plus the picked branches
 
     @property
     def valid(self) -> bool:

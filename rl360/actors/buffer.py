@@ -39,6 +39,7 @@ class Member:
     task_id: str = ""
     min_version: int = 0
     max_version: int = 0
+    seqs: int = 1  # trained sequences: the primary sample and the session's other picked leaves
 
 
 @dataclass
@@ -67,26 +68,27 @@ class RefBatch:
 
     @property
     def seqs(self) -> int:
-        return sum(m.loss_tokens > 0 for m in self.members)
+        return sum(m.seqs for m in self.members if m.loss_tokens > 0)
 
 
 def to_samples(trajs: list[Trajectory], advantages: list[float]) -> list[TrainSample]:
-    """Trainer samples of the trajectories with their advantages (infra failures, unscored
-    and empty trajectories have none)."""
+    """One TrainSample per picked leaf: the trajectory's own (primary) sample and each of its
+    `branches` (a session's other picked leaves), all with the episode's advantage."""
     out = []
     for t, a in zip(trajs, advantages, strict=True):
         if t.status == "infra_error" or t.reward is None or not t.tokens:
             continue
-        out.append(TrainSample(
-            tokens=list(t.tokens),
-            mask=list(t.mask),
-            sampling_logprobs=[lp if lp is not None else 0.0 for lp in t.logprobs],
-            advantage=float(a),
-            versions=[v if v is not None else -1 for v in t.versions],
-            reward=float(t.reward.value),
-            group_id=t.group_id or "",
-            task_id=t.task_id or "",
-        ))
+        for s in (t, *t.branches):
+            out.append(TrainSample(
+                tokens=list(s.tokens),
+                mask=list(s.mask),
+                sampling_logprobs=[lp if lp is not None else 0.0 for lp in s.logprobs],
+                advantage=float(a),
+                versions=[v if v is not None else -1 for v in s.versions],
+                reward=float(t.reward.value),
+                group_id=t.group_id or "",
+                task_id=t.task_id or "",
+            ))
     return out
 
 
@@ -158,7 +160,7 @@ class TrajectoryBuffer:
         adv = self.advantage(rewards, valid)
         members = [Member(ref=ref, advantage=float(a), reward=r.reward.value, tokens=r.tokens,
                           loss_tokens=r.loss_tokens, task_id=r.task_id,
-                          min_version=r.min_version, max_version=r.max_version)
+                          min_version=r.min_version, max_version=r.max_version, seqs=r.samples)
                    for r, ref, a, ok in zip(records, refs, adv, valid, strict=True)
                    if ok and r.reward is not None and r.tokens > 0]
         trained = [r for r, ok in zip(records, valid, strict=True) if ok and r.tokens > 0]
@@ -237,7 +239,7 @@ class TrajectoryBuffer:
                 members.append(Member(ref=t, advantage=a, reward=r.reward.value if r.reward else 0.0,
                                       tokens=r.tokens, loss_tokens=r.loss_tokens,
                                       task_id=r.task_id, min_version=r.min_version,
-                                      max_version=r.max_version))
+                                      max_version=r.max_version, seqs=r.samples))
             self.groups.append(GroupRecord(
                 group_id=g.group_id, task_id=g.task_id, members=members, rewards=g.rewards,
                 min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at))

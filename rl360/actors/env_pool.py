@@ -3,11 +3,15 @@
 An episode opens a session on the session server, runs the agent (the built-in tool loop over
 an Env, or a user's agent function), verifies, closes the session and returns the Trajectory:
 the ledger's tokens, mask, logprobs and versions, the reward and its components, timings and a
-status. `EnvActor.run.remote(...)` gives an ObjectRef[Trajectory]; `rollout.remote(...)` (what
-the rollout controller calls) gives two refs, a small EpisodeRecord and the Trajectory, so the
-controller and the buffer decide on the record while the tokens stay in the object store until
-the trainer rank that trains on them fetches them. Infrastructure failures come back as
-`infra_error` with the reason, never as reward 0.
+status. A session's ledger is a forest: the trajectory's own tokens are its primary picked leaf
+(for the built-in loop, which sends one linear conversation, simply the conversation) and
+`branches` the other leaves `serve.picker` chose (an agent function's retries, sub-calls, n>1
+choices), each trained with the episode's reward. `EnvActor.run.remote(...)` gives an
+ObjectRef[Trajectory]; `rollout.remote(...)` (what the rollout controller calls) gives two
+refs, a small EpisodeRecord and the Trajectory, so the controller and the buffer decide on the
+record while the tokens stay in the object store until the trainer rank that trains on them
+fetches them. Infrastructure failures come back as `infra_error` with the reason, never as
+reward 0.
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ class EnvActor:
                     await _quietly(sandbox.close())
                 if env is not None:
                     await _quietly(env.close())
-            closed = await shard.close.remote(sid, token)
+            closed = await shard.close.remote(sid, token, False)  # the picked samples
             if not isinstance(closed, dict):
                 return _infra(task, group_id, f"could not read the session ledger: {closed}", t0)
             traj = msgspec.convert(closed, Trajectory)

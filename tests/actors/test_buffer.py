@@ -73,3 +73,22 @@ async def test_state_round_trip() -> None:
     other = make(groups_per_batch=2)
     await other.load_state(await buf.state())
     assert await other.size() == 1
+
+
+async def test_branches_of_a_session_forest_are_trained_as_samples() -> None:
+    from rl360.actors.buffer import to_samples
+    from rl360.types import Sample
+
+    buf = make()
+    extra = Sample(node=0, tokens=[1, 9], mask=[0, 1], logprobs=[None, -0.2], versions=[None, 0],
+                   provenance=["prompt", "generated"])
+    two = traj(1.0)
+    two.branches = [extra]
+    buf.add_trajectories("g", "t", [two, traj(0.0)])
+    batch = await buf.next_batch(0, 1)
+    assert batch is not None
+    assert batch.seqs == 3 and batch.loss_tokens == 2 + 1 + 2  # the branch is counted
+    samples = to_samples([m.ref for m in batch.members], [m.advantage for m in batch.members])
+    assert sorted(tuple(s.tokens) for s in samples) == [(1, 2, 3, 4), (1, 2, 3, 4), (1, 9)]
+    adv = {tuple(s.tokens): s.advantage for s in samples if s.reward == 1.0}
+    assert adv[(1, 9)] == adv[(1, 2, 3, 4)] > 0  # the episode's advantage for every leaf

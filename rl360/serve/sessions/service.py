@@ -107,7 +107,7 @@ class SessionService:
         s.last_used = time.monotonic()
         return s
 
-    def trajectory(self, sid: str, token: str | None) -> dict[str, Any]:
+    def trajectory(self, sid: str, token: str | None, forest: bool = True) -> dict[str, Any]:
         """The picked samples (top level: the latest picked leaf; `branches`: the others),
         plus the whole `forest`, the ids of the `picked` leaves and the `branch_points`."""
         s = self._get(sid, token)
@@ -121,12 +121,13 @@ class SessionService:
         out = msgspec.to_builtins(traj)
         out.setdefault("branches", [])
         out["picked"] = pick(s.ledger, self.config.picker)
-        out["forest"] = s.ledger.forest()
-        out["branch_points"] = list(s.ledger.branches)
+        if forest:  # the env actor needs only the samples
+            out["forest"] = s.ledger.forest()
+            out["branch_points"] = list(s.ledger.branches)
         return out
 
-    def close(self, sid: str, token: str | None) -> dict[str, Any]:
-        traj = self.trajectory(sid, token)
+    def close(self, sid: str, token: str | None, forest: bool = True) -> dict[str, Any]:
+        traj = self.trajectory(sid, token, forest)
         del self.sessions[sid]
         self.events["sessions_closed"] += 1
         return traj

@@ -88,9 +88,10 @@ class SessionShard:
         except LedgerError as exc:
             return ApiError(exc.status, exc.code, exc.message)
 
-    async def close(self, sid: str, token: str | None) -> dict[str, Any] | ApiError:
+    async def close(self, sid: str, token: str | None,
+                    forest: bool = True) -> dict[str, Any] | ApiError:
         try:
-            return self.svc.close(sid, token)
+            return self.svc.close(sid, token, forest)
         except LedgerError as exc:
             return ApiError(exc.status, exc.code, exc.message)
 

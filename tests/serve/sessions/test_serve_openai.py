@@ -98,7 +98,7 @@ def test_models_and_sessionless_calls(app) -> None:  # type: ignore[no-untyped-d
         (b"", 400),
         (b'{"messages": "hi"}', 422),
         (b'{"messages": [{"content": "no role"}]}', 422),
-        (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400),
+        (b'{"messages": [{"role": "user", "content": "x"}], "n": 1000}', 400),
         (b'{"messages": [{"role": "user", "content": "x"}], "input_ids": [1]}', 400),
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}', 422),
     ],

@@ -1,0 +1,98 @@
+"""The env actor's side of a session forest: the built-in agent loop, talking to a session
+through ShardChatClient, still yields one linear sample (no branches), while an agent that
+branches (n=2, a sub-call with other tools) hands every picked leaf to the trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from rl360.actors.buffer import to_samples
+from rl360.actors.session_client import ShardChatClient
+from rl360.envs.agent import run_episode
+from rl360.envs.api import Env, EnvStart, ToolResult
+from rl360.recipe import EngineSection, ModelSection, ServeSection
+from rl360.serve.engines.scripted import ScriptedBackend
+from rl360.serve.sessions.openai_types import ChatCompletionRequest
+from rl360.serve.sessions.service import LocalEngineClient, SessionService
+from rl360.types import Message, Reward, Task, ToolSpec, Trajectory
+from tests.envs.test_env_agent import MemorySandbox
+from tests.serve.sessions.tito import check_trajectory
+
+TOOLS = [msgspec.convert({"function": {"name": "bash", "parameters": {"type": "object"}}}, ToolSpec)]
+RULES = [
+    ["</tool_response>", "42"],
+    ["do it", '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call>'],
+    ["summarize", "short."],
+]
+
+
+class _Method:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    async def remote(self, *args: Any) -> Any:
+        return await self.fn(*args)
+
+
+class LocalShard:
+    """The SessionShard's chat method over an in-process service (no Ray)."""
+
+    def __init__(self, svc: SessionService) -> None:
+        self.chat = _Method(svc.chat)
+
+
+class OneToolEnv(Env):
+    async def setup(self, task: Task, sandbox: Any) -> EnvStart:
+        return EnvStart(messages=[Message(role="user", content=task.prompt)], tools=TOOLS)
+
+    async def step(self, call: Any) -> ToolResult:
+        return ToolResult(content="a.txt", ok=True)
+
+    async def verify(self) -> Reward:
+        return Reward(1.0 if self.transcript[-1].content == "42" else 0.0)
+
+
+def service(**cfg: Any) -> SessionService:
+    from rl360.policies.chat import ChatRenderer
+    from rl360.policies.loading import load_tokenizer
+
+    r = ChatRenderer(load_tokenizer("tiny", "auto"))
+    be = ScriptedBackend(EngineSection(options={"rules": RULES}), ModelSection(), tokenizer=r.tokenizer)
+    return SessionService(r, LocalEngineClient(be), ServeSection(**cfg),
+                          max_model_len=ModelSection().max_model_len, model_name="rl360")
+
+
+async def test_built_in_agent_loop_is_one_linear_sample() -> None:
+    svc = service()
+    s = svc.open({"task_id": "t1"})
+    client = ShardChatClient(LocalShard(svc), s["id"], s["token"], {"temperature": 1.0})
+    result = await run_episode(OneToolEnv(), Task(id="t1", prompt="do it"), MemorySandbox(), client)
+    assert result.status == "ok" and result.reward is not None and result.reward.value == 1.0
+    full = svc.trajectory(s["id"], s["token"])
+    check_trajectory(full, truncated_closed=True)
+    assert [n["parent"] for n in full["forest"]] == [None, 0] and full["branches"] == []
+    traj = msgspec.convert(svc.close(s["id"], s["token"], forest=False), Trajectory)
+    assert traj.branches == [] and traj.turns == 2 and traj.rerender == {"match": True}
+    assert traj.tokens == full["tokens"]
+    traj.reward = result.reward
+    assert len(to_samples([traj], [1.0])) == 1
+
+
+async def test_a_branching_agent_hands_every_picked_leaf_to_the_trainer() -> None:
+    svc = service()
+    s = svc.open()
+
+    def req(msgs: list[dict[str, Any]], **kw: Any) -> ChatCompletionRequest:
+        return msgspec.convert({"messages": msgs, **kw}, ChatCompletionRequest)
+
+    await svc.chat(s["id"], s["token"], req([{"role": "user", "content": "do it"}], n=2))
+    await svc.chat(s["id"], s["token"], req([{"role": "system", "content": "other"},
+                                              {"role": "user", "content": "summarize"}]))
+    traj = msgspec.convert(svc.close(s["id"], s["token"], forest=False), Trajectory)
+    assert len(traj.branches) == 2
+    traj.reward = Reward(1.0)
+    samples = to_samples([traj], [0.5])
+    assert len(samples) == 3 and {x.advantage for x in samples} == {0.5}
+    assert all(sum(x.mask) > 0 for x in samples)
