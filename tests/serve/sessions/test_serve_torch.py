@@ -75,7 +75,10 @@ def test_completions_session_extends_its_prompt(app) -> None:  # type: ignore[no
     # extending the recorded tokens is accepted; text that re-tokenizes differently is not
     r2 = httpx.post(url, headers=h, json={"prompt": traj["tokens"] + [10], "max_tokens": 5}, timeout=60)
     assert r2.status_code == 200, r2.text
+    # a prompt that does not extend the recorded tokens opens a new root of the forest
     r3 = httpx.post(url, headers=h, json={"prompt": "something else", "max_tokens": 5}, timeout=60)
-    assert r3.status_code == 409
+    assert r3.status_code == 200, r3.text
     traj = httpx.get(f"{app.base_url}/sessions/{sid}/trajectory", headers=h).json()
-    assert sum(traj["mask"]) == 10 and len(prompt2) > 0
+    assert [n["parent"] for n in traj["forest"]] == [None, 0, None]
+    assert sum(traj["branches"][0]["mask"]) == 10 and sum(traj["mask"]) == 5
+    assert len(prompt2) > 0
