@@ -103,6 +103,15 @@ class ServeSection(_S):
     max_session_nodes: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024
     max_session_tokens: Annotated[int, Meta(ge=16, le=1 << 30)] = 1 << 20
     max_n: Annotated[int, Meta(ge=1, le=128)] = 16  # the most choices one request may ask
+    # the key for opening sessions, the sessionless /v1/* and /stats (Authorization: Bearer);
+    # required when `host` is not loopback ("" here: the RL360_SERVE_API_KEY variable)
+    api_key: str = ""
+    # bad input is a 4xx before any work: bodies over this are 413, JSON nested deeper 400,
+    # more messages than this 400; each shard holds at most this many open sessions (429)
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 31)] = 32 << 20
+    max_json_depth: Annotated[int, Meta(ge=4, le=512)] = 64
+    max_messages: Annotated[int, Meta(ge=1, le=1_000_000)] = 4096
+    max_sessions_per_shard: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     # Serve's HTTP proxies: on every node (agents' HTTP calls stay on their node) or the head
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 

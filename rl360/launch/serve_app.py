@@ -17,6 +17,7 @@ from rl360.policies.loading import resolve_model_path
 from rl360.recipe import Recipe
 from rl360.serve.engines.replica import EngineReplica, ServeEngineClient
 from rl360.serve.engines.routing import SessionAffinityRouter
+from rl360.serve.sessions.auth import resolve_api_key
 from rl360.serve.sessions.http import SessionServer
 from rl360.serve.sessions.shard import SessionShard
 from rl360.serve.weights.publisher import WeightPublisher
@@ -66,6 +67,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
 
     s, e = recipe.serve, recipe.engine
     ns = recipe.ray.namespace
+    resolve_api_key(s.host, s.api_key)  # a server reachable from other machines needs a key
     placement = placement or LocalPlacement(recipe)
     service = placement.service_options()
     resolve_model_path(recipe.model.path)  # build/convert once, before replicas race for it
@@ -103,7 +105,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         max_ongoing_requests=1000,
         ray_actor_options=service,
         logging_config={"enable_access_log": False},
-    ).bind(names, ns, recipe.run.name, engine)
+    ).bind(names, ns, recipe.run.name, s, engine)
     t0 = time.monotonic()
     serve.run(server, name=s.app_name, route_prefix="/", blocking=False)
     _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))

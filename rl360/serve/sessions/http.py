@@ -5,25 +5,35 @@
   POST /v1/completions       (no ledger)   DELETE /sessions/{id}    -> final trajectory
   /sessions/{id}/v1/{models,chat/completions,completions}  recorded in the session's ledger
 
-Session calls need `Authorization: Bearer <token>` (the OpenAI client's api_key). Replicas
-are stateless: ledgers live in SessionShard actors, chosen by hashing the session id.
-Malformed bodies get 400 (not JSON) or 422 (wrong shape), never a 500.
+Session calls need `Authorization: Bearer <token>` (the OpenAI client's api_key). Opening a
+session, the sessionless /v1/* and /stats need the server key (`serve.api_key`) when one is
+set, and one must be set when `serve.host` is not loopback. Replicas are stateless: ledgers
+live in SessionShard actors, chosen by hashing the session id.
+
+Bad input never gets a 5xx: bodies over `serve.max_body_bytes` get 413, invalid or too deeply
+nested JSON 400, a wrong shape 422, a bad or missing credential 401; a shard that is down
+gives 503 with Retry-After; anything unexpected is one JSON error without a traceback.
+`Gateway` holds the logic and `build_app` its routes, so tests run it in-process with local
+shards (`LocalShards`); `SessionServer` is the Serve deployment around it.
 """
 
-# no `from __future__ import annotations` here: FastAPI must see real Request annotations
+from __future__ import annotations
+
 import asyncio
 import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from rl360.recipe import ServeSection
+from rl360.serve.sessions.auth import bearer, resolve_api_key, same_secret
 from rl360.serve.sessions.openai_types import (
     ApiError,
     ChatCompletionRequest,
@@ -35,38 +45,121 @@ from rl360.serve.sessions.shard import shard_for
 
 log = logging.getLogger("rl360.session_server")
 
-api = FastAPI(title="RL360 session server", version="0.1")
+RETRY_AFTER_S = "5"
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(ApiError(status, code, message).body(), status_code=status)
-
-
-def _decode(body: bytes, typ: type[Any]) -> Any:
-    if not body:
-        if typ is OpenSessionRequest:
-            return OpenSessionRequest()
-        raise _BadRequest(400, "invalid_json", "the request body is empty; expected JSON")
-    try:
-        return msgspec.json.decode(body, type=typ)
-    except msgspec.DecodeError as exc:
-        text = str(exc)
-        try:
-            json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise _BadRequest(400, "invalid_json", f"the body is not valid JSON: {text}") from None
-        raise _BadRequest(422, "invalid_request", text.replace("`$.", "`")) from None
-
-
-class _BadRequest(Exception):
+class HttpError(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
 
 
-def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else None
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER_S} if status in (429, 503) else None
+    return JSONResponse(ApiError(status, code, message).body(), status_code=status,
+                        headers=headers)
+
+
+# ---------------------------------------------------------------------- shards
+
+
+class ShardCaller(Protocol):
+    """How the gateway reaches the K session shards; raises HttpError(503) if one is down."""
+
+    count: int
+
+    async def call(self, idx: int, method: str, *args: Any) -> Any: ...
+
+
+class RayShards:
+    def __init__(self, shard_names: list[str], namespace: str) -> None:
+        import ray
+
+        self.handles = [ray.get_actor(n, namespace=namespace) for n in shard_names]
+        self.count = len(self.handles)
+
+    async def call(self, idx: int, method: str, *args: Any) -> Any:
+        import ray
+
+        try:
+            return await getattr(self.handles[idx], method).remote(*args)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                ray.exceptions.ObjectLostError) as exc:
+            log.warning("session shard %d unavailable: %s", idx, type(exc).__name__)
+            raise HttpError(503, "shard_unavailable", "a session shard is down; retry "
+                            "later (sessions on it are lost if it restarted)") from None
+
+
+class LocalShards:
+    """In-process shards (tests, single-process use): objects with SessionShard's methods.
+    `down` marks shard indexes that answer like a dead actor."""
+
+    def __init__(self, shards: list[Any]) -> None:
+        self.shards = shards
+        self.count = len(shards)
+        self.down: set[int] = set()
+
+    async def call(self, idx: int, method: str, *args: Any) -> Any:
+        if idx in self.down:
+            raise HttpError(503, "shard_unavailable", "a session shard is down; retry later")
+        return await getattr(self.shards[idx], method)(*args)
+
+
+# ---------------------------------------------------------------------- request bodies
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise HttpError(413, "body_too_large", f"the body exceeds {limit} bytes "
+                                "(serve.max_body_bytes)")
+        except ValueError:
+            raise HttpError(400, "bad_content_length", "Content-Length is not a number") from None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, "body_too_large", f"the body exceeds {limit} bytes "
+                            "(serve.max_body_bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_depth(obj: Any, limit: int) -> bool:
+    """Whether `obj` (decoded JSON) nests at most `limit` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict):
+            o = list(o.values())
+        if isinstance(o, list):
+            if d > limit:
+                return False
+            stack.extend((x, d + 1) for x in o if isinstance(x, dict | list))
+    return True
+
+
+def decode(body: bytes, typ: type[Any], max_depth: int) -> Any:
+    if not body:
+        if typ is OpenSessionRequest:
+            return OpenSessionRequest()
+        raise HttpError(400, "invalid_json", "the request body is empty; expected JSON")
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise HttpError(400, "invalid_json", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise HttpError(400, "too_deep", f"the JSON nests deeper than {max_depth} levels") from None
+    if not json_depth(raw, max_depth):
+        raise HttpError(400, "too_deep", f"the JSON nests deeper than {max_depth} levels "
+                        "(serve.max_json_depth)")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise HttpError(422, "invalid_request", str(exc).replace("`$.", "`")) from None
 
 
 async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -75,119 +168,204 @@ async def _sse(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-@serve.ingress(api)
-class SessionServer:
-    def __init__(
-        self, shard_names: list[str], namespace: str, model_name: str, engine: Any = None
-    ) -> None:
-        import ray
+def respond(out: Any, stream: bool = False, include_usage: bool = False) -> Response:
+    if isinstance(out, ApiError):
+        return error_response(out.status, out.code, out.message)
+    if stream:
+        return StreamingResponse(_sse(chat_stream_chunks(out, include_usage)),
+                                 media_type="text/event-stream")
+    return Response(msgspec.json.encode(out), media_type="application/json")
 
-        self.shards = [ray.get_actor(n, namespace=namespace) for n in shard_names]
+
+# ---------------------------------------------------------------------- the gateway
+
+
+class Gateway:
+    """The routes' logic over a ShardCaller; one per server replica."""
+
+    def __init__(self, shards: ShardCaller, serve_cfg: ServeSection, model_name: str) -> None:
+        self.shards = shards
+        self.cfg = serve_cfg
         self.model_name = model_name
-        self.engine = engine
+        self.api_key = resolve_api_key(serve_cfg.host, serve_cfg.api_key)
 
-    # -------------------------------------------------------------- plumbing
+    def _server_auth(self, request: Request) -> None:
+        if self.api_key and not same_secret(bearer(request.headers.get("authorization")),
+                                            self.api_key):
+            raise HttpError(401, "unauthorized", "missing or wrong server API key "
+                            "(Authorization: Bearer <serve.api_key>)")
 
-    async def _call(self, shard_idx: int, method: str, *args: Any) -> Any:
-        import ray
+    def _token(self, request: Request) -> str:
+        token = bearer(request.headers.get("authorization"))
+        if token is None:
+            raise HttpError(401, "unauthorized", "missing or malformed bearer token for this "
+                            "session (Authorization: Bearer <token>)")
+        return token
 
-        try:
-            return await getattr(self.shards[shard_idx], method).remote(*args)
-        except ray.exceptions.RayActorError as exc:
-            raise _BadRequest(503, "shard_unavailable", f"session shard is down: {exc}") from None
+    def _idx(self, sid: str | None) -> int:
+        return shard_for(sid, self.shards.count) if sid else random.randrange(self.shards.count)
 
-    def _respond(self, out: Any, stream: bool = False, include_usage: bool = False) -> Response:
+    async def body(self, request: Request, typ: type[Any]) -> Any:
+        return decode(await read_body(request, self.cfg.max_body_bytes), typ,
+                      self.cfg.max_json_depth)
+
+    async def stats(self, request: Request) -> Response:
+        self._server_auth(request)
+        per = await asyncio.gather(*(self.shards.call(i, "stats") for i in range(self.shards.count)),
+                                   return_exceptions=True)
+        down = [i for i, p in enumerate(per) if isinstance(p, BaseException)]
+        if down:
+            raise HttpError(503, "shard_unavailable", f"session shards {down} are down")
+        return JSONResponse({"shards": per})
+
+    async def models(self, request: Request, sid: str | None) -> Response:
+        if sid is None:
+            self._server_auth(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "owned_by": "rl360"}]})
+
+    async def open_session(self, request: Request) -> Response:
+        self._server_auth(request)
+        body = await self.body(request, OpenSessionRequest)
+        sid = uuid.uuid4().hex
+        out = await self.shards.call(self._idx(sid), "open", body.metadata, body.matcher, sid)
         if isinstance(out, ApiError):
-            return JSONResponse(out.body(), status_code=out.status)
-        if stream:
-            return StreamingResponse(_sse(chat_stream_chunks(out, include_usage)),
-                                     media_type="text/event-stream")
-        return Response(msgspec.json.encode(out), media_type="application/json")
+            return respond(out)
+        out["base_url"] = f"/sessions/{sid}/v1"
+        return JSONResponse(out, status_code=201)
 
-    async def _guarded(self, coro: Any) -> Response:
-        try:
-            return await coro
-        except _BadRequest as exc:
-            return _error(exc.status, exc.code, exc.message)
+    async def chat(self, request: Request, sid: str | None) -> Response:
+        token = self._token(request) if sid else None
+        if sid is None:
+            self._server_auth(request)
+        req = await self.body(request, ChatCompletionRequest)
+        if len(req.messages) > self.cfg.max_messages:
+            raise HttpError(400, "too_many_messages", f"{len(req.messages)} messages; at most "
+                            f"{self.cfg.max_messages} (serve.max_messages)")
+        out = await self.shards.call(self._idx(sid), "chat", sid, token, req)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return respond(out, stream=req.stream, include_usage=include_usage)
 
-    # -------------------------------------------------------------- routes
+    async def complete(self, request: Request, sid: str | None) -> Response:
+        token = self._token(request) if sid else None
+        if sid is None:
+            self._server_auth(request)
+        req = await self.body(request, CompletionRequest)
+        if req.stream:
+            raise HttpError(400, "unsupported", "stream=true is supported on chat completions only")
+        return respond(await self.shards.call(self._idx(sid), "complete", sid, token, req))
+
+    async def session_call(self, request: Request, sid: str, method: str) -> Response:
+        token = self._token(request)
+        return respond(await self.shards.call(self._idx(sid), method, sid, token))
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    api = FastAPI(title="RL360 session server", version="0.2", openapi_url=None,
+                  docs_url=None, redoc_url=None)
+
+    def route(handler: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        async def wrapped(*args: Any, **kwargs: Any) -> Response:
+            try:
+                return await handler(*args, **kwargs)
+            except HttpError as exc:
+                return error_response(exc.status, exc.code, exc.message)
+
+        return wrapped
 
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
-        return {"ok": True, "shards": len(self.shards)}
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True}
 
     @api.get("/stats")
-    async def stats(self) -> dict[str, Any]:
-        per = await asyncio.gather(*(s.stats.remote() for s in self.shards))
-        return {"shards": per}
+    async def stats(request: Request) -> Response:
+        return await route(gateway.stats)(request)
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list",
-                "data": [{"id": self.model_name, "object": "model", "owned_by": "rl360"}]}
+    async def models(request: Request) -> Response:
+        return await route(gateway.models)(request, None)
 
     @api.post("/v1/chat/completions")
-    async def chat(self, request: Request) -> Response:
-        return await self._guarded(self._chat(None, request))
+    async def chat(request: Request) -> Response:
+        return await route(gateway.chat)(request, None)
 
     @api.post("/v1/completions")
-    async def complete(self, request: Request) -> Response:
-        return await self._guarded(self._complete(None, request))
+    async def complete(request: Request) -> Response:
+        return await route(gateway.complete)(request, None)
 
     @api.post("/sessions")
-    async def open_session(self, request: Request) -> Response:
-        async def go() -> Response:
-            body = _decode(await request.body(), OpenSessionRequest)
-            sid = uuid.uuid4().hex
-            out = await self._call(shard_for(sid, len(self.shards)), "open", body.metadata,
-                                   body.matcher, sid)
-            if isinstance(out, ApiError):
-                return self._respond(out)
-            out["base_url"] = f"/sessions/{sid}/v1"
-            return JSONResponse(out, status_code=201)
-
-        return await self._guarded(go())
+    async def open_session(request: Request) -> Response:
+        return await route(gateway.open_session)(request)
 
     @api.get("/sessions/{sid}/v1/models")
-    async def session_models(self, sid: str) -> dict[str, Any]:
-        return await self.models()
+    async def session_models(sid: str, request: Request) -> Response:
+        return await route(gateway.models)(request, sid)
 
     @api.post("/sessions/{sid}/v1/chat/completions")
-    async def session_chat(self, sid: str, request: Request) -> Response:
-        return await self._guarded(self._chat(sid, request))
+    async def session_chat(sid: str, request: Request) -> Response:
+        return await route(gateway.chat)(request, sid)
 
     @api.post("/sessions/{sid}/v1/completions")
-    async def session_complete(self, sid: str, request: Request) -> Response:
-        return await self._guarded(self._complete(sid, request))
+    async def session_complete(sid: str, request: Request) -> Response:
+        return await route(gateway.complete)(request, sid)
 
     @api.get("/sessions/{sid}/trajectory")
-    async def trajectory(self, sid: str, request: Request) -> Response:
-        out = await self._guarded_call(sid, "trajectory", _bearer(request))
-        return out if isinstance(out, Response) else self._respond(out)
+    async def trajectory(sid: str, request: Request) -> Response:
+        return await route(gateway.session_call)(request, sid, "trajectory")
 
     @api.delete("/sessions/{sid}")
-    async def close_session(self, sid: str, request: Request) -> Response:
-        out = await self._guarded_call(sid, "close", _bearer(request))
-        return out if isinstance(out, Response) else self._respond(out)
+    async def close_session(sid: str, request: Request) -> Response:
+        return await route(gateway.session_call)(request, sid, "close")
 
-    async def _guarded_call(self, sid: str, method: str, *args: Any) -> Any:
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        return error_response(500, "internal_error", "the server failed on this request; it "
+                              "was logged")
+
+    api.add_exception_handler(Exception, unexpected)
+    return CatchAll(api)  # type: ignore[return-value]
+
+
+class CatchAll:
+    """ASGI wrapper: anything a route did not turn into an answer becomes one JSON error with
+    no traceback (logged here, with it); a disconnect mid-response is not an error."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
         try:
-            return await self._call(shard_for(sid, len(self.shards)), method, sid, *args)
-        except _BadRequest as exc:
-            return _error(exc.status, exc.code, exc.message)
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                return  # the client already has a status line; nothing more to say
+            body = json.dumps(ApiError(500, "internal_error", "the server failed on this "
+                                       "request; it was logged").body()).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
-    async def _chat(self, sid: str | None, request: Request) -> Response:
-        req = _decode(await request.body(), ChatCompletionRequest)
-        idx = shard_for(sid, len(self.shards)) if sid else random.randrange(len(self.shards))
-        token = _bearer(request) if sid else None
-        out = await self._call(idx, "chat", sid, token, req)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return self._respond(out, stream=req.stream, include_usage=include_usage)
 
-    async def _complete(self, sid: str | None, request: Request) -> Response:
-        req = _decode(await request.body(), CompletionRequest)
-        if req.stream:
-            raise _BadRequest(400, "unsupported", "stream=true is supported on chat completions only")
-        idx = shard_for(sid, len(self.shards)) if sid else random.randrange(len(self.shards))
-        token = _bearer(request) if sid else None
-        return self._respond(await self._call(idx, "complete", sid, token, req))
+@serve.ingress()
+class SessionServer:
+    """The Serve deployment: one Gateway over the shard actors per replica."""
+
+    def __init__(self, shard_names: list[str], namespace: str, model_name: str,
+                 serve_cfg: ServeSection, engine: Any = None) -> None:
+        self.gateway = Gateway(RayShards(shard_names, namespace), serve_cfg, model_name)
+        self.engine = engine
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_app(self.gateway)

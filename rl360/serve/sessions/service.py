@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ import msgspec
 
 from rl360.policies.chat import ChatRenderer
 from rl360.recipe import ServeSection
+from rl360.serve.sessions.auth import same_secret
 from rl360.serve.sessions.ledger import LedgerError, PreparedTurn, SessionLedger
 from rl360.serve.sessions.openai_types import (
     ApiError,
@@ -78,12 +80,26 @@ class SessionService:
         self.model_name = model_name
         self.sessions: dict[str, _Session] = {}
         self.events: Counter[str] = Counter()
+        self.vocab_size = len(renderer.tokenizer)
+        # the longest text one token can stand for: a prompt with more characters than
+        # max_model_len * this cannot fit and is refused before it is rendered
+        self.max_token_chars = max((len(t) for t in renderer.tokenizer.get_vocab()), default=1)
+        # chat templates run here, off the event loop (one at a time: tokenizers are not
+        # safe to share across threads)
+        self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="rl360-render")
 
     # ------------------------------------------------------------------ lifecycle
 
     def open(self, metadata: dict[str, Any] | None = None, matcher: str | None = None,
              session_id: str | None = None) -> dict[str, str]:
         sid = session_id or uuid.uuid4().hex
+        if len(self.sessions) >= self.config.max_sessions_per_shard and not self.reap_idle():
+            self.events["rejected_too_many_sessions"] += 1
+            raise LedgerError(429, "too_many_sessions", f"this shard holds "
+                              f"{len(self.sessions)} open sessions (serve.max_sessions_per_shard);"
+                              " close finished sessions or retry later")
+        if sid in self.sessions:
+            raise LedgerError(409, "session_exists", "a session with this id is open")
         try:
             ledger = self._ledger(sid, matcher)
         except ValueError as exc:
@@ -102,7 +118,7 @@ class SessionService:
         s = self.sessions.get(sid)
         if s is None:
             raise LedgerError(404, "unknown_session", f"no open session {sid!r}")
-        if token is None or not secrets.compare_digest(token, s.token):
+        if not same_secret(token, s.token):
             raise LedgerError(401, "unauthorized", "missing or wrong bearer token for this session")
         s.last_used = time.monotonic()
         return s
@@ -164,13 +180,15 @@ class SessionService:
         if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "auto", "none"):
             raise LedgerError(400, "unsupported", "tool_choice must be 'auto' or 'none' here")
         messages = [m.to_message() for m in req.messages]
+        self._check_size(messages, req.tools)
         if sid is None:  # sessionless call: an ephemeral ledger, nothing is kept
             session = None
             ledger = self._ledger("ephemeral")
         else:
             session = self._get(sid, token)
             ledger = session.ledger
-        prep = ledger.prepare(messages, req.tools)  # the parent is captured here (TITO 17)
+        # the parent is captured here (TITO 17); rendering runs off the event loop
+        prep = await self._off_loop(ledger.prepare, messages, req.tools)
         sampling = self._sampling(
             prep, req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
@@ -234,7 +252,14 @@ class SessionService:
         self, sid: str | None, token: str | None, req: CompletionRequest
     ) -> dict[str, Any]:
         _refuse_control_fields(None, None, req.n, 1)
-        ids = list(req.prompt) if isinstance(req.prompt, list) else self.renderer.encode(req.prompt)
+        if isinstance(req.prompt, list):
+            ids = list(req.prompt)
+            self._check_ids(ids, "prompt")
+        else:
+            if len(req.prompt) > self.max_model_len * self.max_token_chars:
+                raise LedgerError(400, "context_length", "the prompt cannot fit this model's "
+                                  f"context of {self.max_model_len} tokens")
+            ids = await self._off_loop(self.renderer.encode, req.prompt)
         if not ids:
             raise LedgerError(400, "empty_prompt", "prompt must not be empty")
         session = self._get(sid, token) if sid is not None else None
@@ -280,14 +305,46 @@ class SessionService:
             raise LedgerError(422, "bad_max_tokens", "max_tokens must be >= 1")
         t = 1.0 if temperature is None else temperature
         p = 1.0 if top_p is None else top_p
-        if t < 0 or not 0 < p <= 1:
-            raise LedgerError(422, "bad_sampling", "temperature must be >= 0 and top_p in (0, 1]")
+        if not (0 <= t <= 100 and 0 < p <= 1):  # also refuses NaN and inf
+            raise LedgerError(422, "bad_sampling", "temperature must be in [0, 100] and top_p "
+                              "in (0, 1]")
+        if top_k is not None and not -1 <= top_k <= self.vocab_size:
+            raise LedgerError(422, "bad_sampling", "top_k must be -1, 0 or a count of tokens")
+        if seed is not None and not 0 <= seed < 2**63:
+            raise LedgerError(422, "bad_sampling", "seed must be in [0, 2**63)")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > 16 or any(len(x) > 1024 for x in stops):
+            raise LedgerError(400, "bad_stop", "at most 16 stop strings of up to 1024 characters")
+        self._check_ids(list(stop_token_ids or []), "stop_token_ids")
         return SamplingParams(
             temperature=t, top_p=p, top_k=top_k or 0, max_tokens=min(want, room),
             stop=[s for s in stops if s], stop_token_ids=list(stop_token_ids or []), seed=seed,
             eos_token_ids=self.renderer.eos_ids if eos else [],
         )
+
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        if len(ids) > self.max_model_len:
+            raise LedgerError(400, "context_length", f"{what} has {len(ids)} tokens; this "
+                              f"model's context is {self.max_model_len}")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise LedgerError(400, "bad_token_id", f"{what} holds token id {bad}, outside this "
+                              f"model's vocabulary [0, {self.vocab_size})")
+
+    def _check_size(self, messages: list[Message], tools: Any) -> None:
+        """Refuse, before rendering, a conversation whose text cannot fit the context."""
+        chars = len(msgspec.json.encode(tools)) if tools else 0
+        for m in messages:
+            chars += len(m.content or "") + len(m.role) + len(m.name or "")
+            chars += sum(len(tc.function.arguments) + len(tc.function.name)
+                         for tc in m.tool_calls or [])
+        if chars > self.max_model_len * self.max_token_chars:
+            raise LedgerError(400, "context_length", f"the conversation has {chars} characters"
+                              f"; it cannot fit this model's context of "
+                              f"{self.max_model_len} tokens")
 
     async def _generate_n(self, ids: list[int], sampling: SamplingParams, sid: str | None,
                           n: int) -> list[Generation]:

@@ -18,7 +18,7 @@ log = logging.getLogger("rl360.sessions")
 
 
 def shard_for(session_id: str, num_shards: int) -> int:
-    return zlib.crc32(session_id.encode()) % num_shards
+    return zlib.crc32(session_id.encode("utf-8", "surrogatepass")) % num_shards
 
 
 class SessionShard:
@@ -36,8 +36,18 @@ class SessionShard:
         self._reaper: asyncio.Task[None] | None = None
         self._gauges: dict[str, Any] = {}
 
+    @classmethod
+    def over(cls, svc: SessionService) -> SessionShard:
+        """A shard around an existing service, without the idle reaper (in-process use)."""
+        shard = cls.__new__(cls)
+        shard.svc, shard._reaper, shard._gauges = svc, None, {}
+        shard._reap_idle = False
+        return shard
+
+    _reap_idle = True
+
     def _start_reaper(self) -> None:
-        if self._reaper is None:
+        if self._reaper is None and self._reap_idle:
             self._reaper = asyncio.get_running_loop().create_task(self._reap(), name="rl360-session-reaper")
             self._reaper.add_done_callback(_log_failure)
 
@@ -80,6 +90,7 @@ class SessionShard:
     async def complete(
         self, sid: str | None, token: str | None, req: CompletionRequest
     ) -> dict[str, Any] | ApiError:
+        self._start_reaper()
         return await self.svc.complete(sid, token, req)
 
     async def trajectory(self, sid: str, token: str | None) -> dict[str, Any] | ApiError:
@@ -96,7 +107,10 @@ class SessionShard:
             return ApiError(exc.status, exc.code, exc.message)
 
     async def stats(self) -> dict[str, Any]:
-        self._publish_metrics()
+        import ray
+
+        if ray.is_initialized():
+            self._publish_metrics()
         return self.svc.stats()
 
 
