@@ -31,6 +31,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.requests import ClientDisconnect
 
 from rl360.recipe import ServeSection
 from rl360.serve.sessions.auth import bearer, resolve_api_key, same_secret
@@ -119,12 +120,16 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise HttpError(400, "bad_content_length", "Content-Length is not a number") from None
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, "body_too_large", f"the body exceeds {limit} bytes "
-                            "(serve.max_body_bytes)")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, "body_too_large", f"the body exceeds {limit} bytes "
+                                "(serve.max_body_bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise HttpError(400, "client_disconnected", "the client left before sending the "
+                        "whole body") from None
     return b"".join(chunks)
 
 

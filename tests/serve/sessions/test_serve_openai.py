@@ -120,4 +120,6 @@ def test_auth_and_unknown_sessions(app) -> None:  # type: ignore[no-untyped-def]
     r = httpx.post(f"{app.base_url}/sessions/deadbeef/v1/chat/completions", json=body,
                    headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 404
-    assert httpx.delete(f"{app.base_url}/sessions/deadbeef").status_code == 404
+    assert httpx.delete(f"{app.base_url}/sessions/deadbeef").status_code == 401  # no token
+    assert httpx.delete(f"{app.base_url}/sessions/deadbeef",
+                        headers={"Authorization": f"Bearer {token}"}).status_code == 404
