@@ -33,8 +33,8 @@ class World:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.app, self.local = make_app(shards=2, rules=RULES, max_body_bytes=64 << 10,
-                                        max_messages=64,
-                                        session={"max_sessions": 200, "max_session_nodes": 400})
+                                        max_messages=64, max_sessions_per_shard=200,
+                                        max_session_nodes=400)
         self.client = client(self.app)
         self.sessions: dict[str, tuple[str, str]] = {}
         self.response_ids: dict[str, set[str]] = {"A": set(), "B": set()}
