@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
+import ray
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -74,14 +75,10 @@ class ShardCaller(Protocol):
 
 class RayShards:
     def __init__(self, shard_names: list[str], namespace: str) -> None:
-        import ray
-
         self.handles = [ray.get_actor(n, namespace=namespace) for n in shard_names]
         self.count = len(self.handles)
 
     async def call(self, idx: int, method: str, *args: Any) -> Any:
-        import ray
-
         try:
             return await getattr(self.handles[idx], method).remote(*args)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
