@@ -70,9 +70,11 @@ class _Session:
 
 class SessionService:
     def __init__(self, renderer: ChatRenderer, engine: EngineClient, config: ServeSection, *,
-                 max_model_len: int, model_name: str) -> None:
+                 max_model_len: int, model_name: str, vocab_size: int = 0) -> None:
         """`config`: the recipe's [serve] section; `max_model_len`: the model's context
-        (model.max_model_len); `model_name`: what responses name as their model (run.name)."""
+        (model.max_model_len); `model_name`: what responses name as their model (run.name);
+        `vocab_size`: the model's vocabulary (its embedding rows, which may exceed the
+        tokenizer's; token ids outside it are refused), default the tokenizer's size."""
         self.renderer = renderer
         self.engine = engine
         self.config = config
@@ -80,7 +82,7 @@ class SessionService:
         self.model_name = model_name
         self.sessions: dict[str, _Session] = {}
         self.events: Counter[str] = Counter()
-        self.vocab_size = len(renderer.tokenizer)
+        self.vocab_size = max(vocab_size, len(renderer.tokenizer))
         # the longest text one token can stand for: a prompt with more characters than
         # max_model_len * this cannot fit and is refused before it is rendered
         self.max_token_chars = max((len(t) for t in renderer.tokenizer.get_vocab()), default=1)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import zlib
 from typing import Any
 
 from rl360.policies.chat import ChatRenderer
-from rl360.policies.loading import load_tokenizer
+from rl360.policies.loading import load_tokenizer, resolve_model_path
 from rl360.recipe import ModelSection, ServeSection
 from rl360.serve.sessions.ledger import LedgerError
 from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, CompletionRequest
@@ -19,6 +20,18 @@ log = logging.getLogger("rl360.sessions")
 
 def shard_for(session_id: str, num_shards: int) -> int:
     return zlib.crc32(session_id.encode("utf-8", "surrogatepass")) % num_shards
+
+
+def model_vocab_size(model: str) -> int:
+    """The model's vocabulary from its config.json (0 when it does not say)."""
+    try:
+        cfg = json.loads((resolve_model_path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    for c in (cfg, cfg.get("text_config") or {}):
+        if isinstance(c.get("vocab_size"), int):
+            return int(c["vocab_size"])
+    return 0
 
 
 class SessionShard:
@@ -32,7 +45,7 @@ class SessionShard:
 
         renderer = ChatRenderer(load_tokenizer(model.path, model.chat_template))
         self.svc = SessionService(renderer, engine, serve, max_model_len=model.max_model_len,
-                                  model_name=model_name)
+                                  model_name=model_name, vocab_size=model_vocab_size(model.path))
         self._reaper: asyncio.Task[None] | None = None
         self._gauges: dict[str, Any] = {}
 

@@ -200,3 +200,25 @@ async def test_disconnect_mid_stream_keeps_the_ledger_and_raises_nothing() -> No
     assert sent[0]["status"] == 200
     svc = next(s.svc for s in local.shards if sid in s.svc.sessions)
     assert len(svc.trajectory(sid, token)["forest"]) == 1  # committed before streaming
+
+
+async def test_the_vocabulary_is_the_models_not_only_the_tokenizers() -> None:
+    """The tiny model has 320 embedding rows for a 263-token tokenizer and may generate ids
+    above 263; a prompt that extends its ledger holds them, so they must pass."""
+    from rl360.recipe import EngineSection, ModelSection
+    from rl360.serve.engines.scripted import ScriptedBackend
+    from rl360.serve.sessions.openai_types import ApiError, CompletionRequest
+    from rl360.serve.sessions.service import LocalEngineClient, SessionService
+    from rl360.serve.sessions.shard import model_vocab_size
+
+    vocab = model_vocab_size("tiny")
+    _app, local = make_app()
+    renderer = local.shards[0].svc.renderer
+    assert vocab > len(renderer.tokenizer)
+    be = ScriptedBackend(EngineSection(), ModelSection(), tokenizer=renderer.tokenizer)
+    svc = SessionService(renderer, LocalEngineClient(be), ServeSection(), max_model_len=512,
+                         model_name="m", vocab_size=vocab)
+    ok = await svc.complete(None, None, CompletionRequest(prompt=[1, vocab - 1]))
+    assert not isinstance(ok, ApiError), ok
+    bad = await svc.complete(None, None, CompletionRequest(prompt=[1, vocab]))
+    assert isinstance(bad, ApiError) and bad.status == 400 and bad.code == "bad_token_id"
