@@ -28,7 +28,7 @@ import pytest
 
 from tests.ports import free_ports
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
