@@ -327,6 +327,11 @@ class CollectiveSync(_S, tag_field="transport", tag="collective"):
 WeightSync = ObjectStoreSync | CollectiveSync
 
 
+class RollingStartSection(_S):
+    size: NonNegInt = 0  # groups per wave; 0 = no rolling start (all groups at once)
+    interval_s: NonNegFloat = 5.0  # seconds between waves
+
+
 class TrainSection(_S):
     init: str = ""  # the policy to start from (e.g. `rl360 sft`'s output); "" = model.path
     tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
@@ -350,6 +355,20 @@ class TrainSection(_S):
     breaker_window: PosInt = 256
     tail_keep: NonNegInt = 0  # > 0: cancel slow groups once all but this many are done
     tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
+    # open the first groups in waves of `size` groups every `interval_s` seconds instead of
+    # all max_in_flight_groups at once (spares the engines and sandboxes a cold-start burst)
+    rolling_start: RollingStartSection = msgspec.field(default_factory=RollingStartSection)
+    # true: a filtered group (zero variance, all infra errors) or a tail-cancelled one frees its
+    # batch slot for another group, every batch has groups_per_batch groups; false: exactly
+    # groups_per_batch groups are started per batch and the batch is whatever survived
+    # (a variable batch; the token-mean reducer normalizes by its own token count)
+    oversampling: bool = True
+    # "positive-first": non-positive advantages are scaled by a factor ramping linearly from
+    # curriculum_floor at step 1 to 1 at step curriculum_steps (applied by the buffer when it
+    # cuts a batch); "none": advantages as computed
+    curriculum: Literal["none", "positive-first"] = "none"
+    curriculum_steps: PosInt = 20
+    curriculum_floor: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     sync_every: PosInt = 1  # publish weights every k steps
     # how weights reach the engines: [train.weight_sync] transport = "object_store" (default)
     # or "collective" (with backend, bucket_mb, layout, checksum, ipc)

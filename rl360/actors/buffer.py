@@ -9,12 +9,19 @@ counts; each trainer rank fetches the trajectories of its own shard. `next_batch
 `groups_per_batch` groups and drops (or, with stale_policy="keep", keeps under the trainer's
 truncated importance sampling) groups whose oldest generated token is more than
 `max_staleness` versions behind the trainer.
+
+With `train.oversampling = false` the controller starts exactly `groups_per_batch` groups per
+batch and tells the buffer each group's batch index; batch b is cut once all its groups are
+settled (queued, filtered or cancelled) and holds whatever survived (an empty one is skipped).
+`train.curriculum = "positive-first"` scales the non-positive advantages of a batch when it is
+cut, by a factor ramping from `curriculum_floor` at step 1 to 1 at step `curriculum_steps`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +58,7 @@ class GroupRecord:
     min_version: int  # oldest version among the group's generated tokens
     statuses: dict[str, int]
     completed_at: float
+    batch: int = -1  # the controller's batch index (train.oversampling = false), else -1
 
 
 @dataclass
@@ -103,6 +111,16 @@ class _StoredGroup(msgspec.Struct):
     min_version: int
     statuses: dict[str, int]
     completed_at: float
+    batch: int = -1
+
+
+def curriculum_factor(cfg: TrainSection, step: int) -> float:
+    """The positive-first curriculum's scale of non-positive advantages at `step` (1-based):
+    `curriculum_floor` at step 1, linear to 1 at `curriculum_steps`; 1 without a curriculum."""
+    if cfg.curriculum == "none" or step >= cfg.curriculum_steps:
+        return 1.0
+    ramp = max(0, step - 1) / max(1, cfg.curriculum_steps - 1)
+    return cfg.curriculum_floor + (1.0 - cfg.curriculum_floor) * ramp
 
 
 class TrajectoryBuffer:
@@ -119,6 +137,10 @@ class TrajectoryBuffer:
         self._recent_rewards: list[float] = []
         self._recent_pass: list[float] = []
         self._recent_tokens = 0
+        # train.oversampling = false: the next batch index to cut and how many groups of each
+        # open batch are settled (queued, filtered or cancelled)
+        self._next_b = 0
+        self._settled: collections.Counter[int] = collections.Counter()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -128,18 +150,44 @@ class TrajectoryBuffer:
         return len(self.groups)
 
     async def add_group(self, group_id: str, task_id: str, records: list[EpisodeRecord],
-                        wrapped: list[list[Any]]) -> bool:
+                        wrapped: list[list[Any]], batch: int = -1) -> bool:
         """Take a finished group: its episodes' records and their trajectory refs (inside a
         list, so Ray passes them unresolved: the buffer never fetches token data). Returns
-        whether it was queued for training (False: filtered out)."""
-        return self._add(group_id, task_id, records, list(wrapped[0]))
+        whether it was queued for training (False: filtered out). `batch` >= 0: the group's
+        batch index (train.oversampling = false), settled whether queued or filtered."""
+        queued = self._add(group_id, task_id, records, list(wrapped[0]), batch)
+        if batch >= 0:
+            self.settle_group(batch)
+        return queued
+
+    def settle_group(self, batch: int) -> None:
+        """One group of `batch` is done (train.oversampling = false): queued, filtered, or
+        cancelled and not replaced."""
+        if batch >= self._next_b:
+            self._settled[batch] += 1
+        self._notify()
+
+    async def skip_group(self, batch: int) -> None:
+        """A group of `batch` was cancelled and will not be replaced (oversampling = false)."""
+        self.settle_group(batch)
+
+    async def close_open_batches(self) -> int:
+        """Resume (oversampling = false): the groups in flight at the checkpoint are gone (their
+        tasks run again in new batches), so every batch this buffer has seen a group of is cut
+        with what settled. Returns the first batch index not used yet."""
+        seen = [b for b, n in self._settled.items() if n] + [g.batch for g in self.groups]
+        end = max(max(seen, default=-1) + 1, self._next_b)
+        for b in range(self._next_b, end):
+            self._settled[b] = self.cfg.groups_per_batch
+        self._notify()
+        return end
 
     def add_trajectories(self, group_id: str, task_id: str, trajs: list[Trajectory]) -> bool:
         """The same for trajectories at hand (in process, tests)."""
         return self._add(group_id, task_id, [t.record() for t in trajs], list(trajs))
 
     def _add(self, group_id: str, task_id: str, records: list[EpisodeRecord],
-             refs: list[Any]) -> bool:
+             refs: list[Any], batch: int = -1) -> bool:
         valid = [r.valid for r in records]
         for r in records:
             self.counts[f"episodes_{r.status}"] += 1
@@ -168,7 +216,7 @@ class TrajectoryBuffer:
             group_id=group_id, task_id=task_id, members=members, rewards=good,
             min_version=min((r.min_version for r in trained if r.loss_tokens), default=0),
             statuses=dict(collections.Counter(r.status for r in records)),
-            completed_at=time.time(),
+            completed_at=time.time(), batch=batch,
         ))
         self.counts["groups_queued"] += 1
         self._notify()
@@ -180,7 +228,11 @@ class TrajectoryBuffer:
         deadline = time.monotonic() + timeout_s
         while True:
             self._drop_stale(trainer_version)
-            if len(self.groups) >= self.cfg.groups_per_batch:
+            if not self.cfg.oversampling:
+                cut = self._cut_settled(trainer_version, step)
+                if cut is not None:
+                    return cut
+            elif len(self.groups) >= self.cfg.groups_per_batch:
                 return self._cut(trainer_version, step)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -199,8 +251,31 @@ class TrajectoryBuffer:
 
     def _cut(self, version: int, step: int) -> RefBatch:
         groups = [self.groups.popleft() for _ in range(self.cfg.groups_per_batch)]
-        return RefBatch(members=[m for g in groups for m in g.members], step=step,
-                        policy_version=version)
+        return self._batch(groups, version, step)
+
+    def _cut_settled(self, version: int, step: int) -> RefBatch | None:
+        """The oldest batch whose groups are all settled, with the groups that survived;
+        batches where none survived are skipped (counted). None: no batch is complete."""
+        while self._settled[self._next_b] >= self.cfg.groups_per_batch:
+            b = self._next_b
+            del self._settled[b]
+            self._next_b += 1
+            groups = [g for g in self.groups if g.batch <= b]
+            self.counts["groups_not_replaced"] += max(0, self.cfg.groups_per_batch - len(groups))
+            if not groups:
+                self.counts["batches_empty"] += 1
+                continue
+            self.groups = collections.deque(g for g in self.groups if g.batch > b)
+            return self._batch(groups, version, step)
+        return None
+
+    def _batch(self, groups: list[GroupRecord], version: int, step: int) -> RefBatch:
+        members = [m for g in groups for m in g.members]
+        factor = curriculum_factor(self.cfg, step)
+        if factor != 1.0:  # positive-first: non-positive advantages count less early on
+            members = [m if m.advantage > 0 else dataclasses.replace(m, advantage=m.advantage * factor)
+                       for m in members]
+        return RefBatch(members=members, step=step, policy_version=version)
 
     async def take_recent_stats(self) -> dict[str, Any]:
         """Reward / pass stats of every valid episode since the previous call, and counters."""
@@ -225,8 +300,11 @@ class TrajectoryBuffer:
             stored.append(_StoredGroup(
                 group_id=g.group_id, task_id=g.task_id, trajectories=trajs,
                 advantages=[m.advantage for m in g.members], rewards=g.rewards,
-                min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at))
-        return msgspec.msgpack.encode({"groups": stored, "counts": dict(self.counts)})
+                min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at,
+                batch=g.batch))
+        return msgspec.msgpack.encode({"groups": stored, "counts": dict(self.counts),
+                                       "next_batch": self._next_b,
+                                       "settled": {str(k): v for k, v in self._settled.items()}})
 
     async def load_state(self, blob: bytes) -> None:
         data = msgspec.msgpack.decode(blob, type=dict[str, Any])
@@ -242,6 +320,9 @@ class TrajectoryBuffer:
                                       max_version=r.max_version, seqs=r.samples))
             self.groups.append(GroupRecord(
                 group_id=g.group_id, task_id=g.task_id, members=members, rewards=g.rewards,
-                min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at))
+                min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at,
+                batch=g.batch))
         self.counts = collections.Counter(data["counts"])
+        self._next_b = int(data.get("next_batch", 0))
+        self._settled = collections.Counter({int(k): v for k, v in data.get("settled", {}).items()})
         self._notify()

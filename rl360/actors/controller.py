@@ -9,7 +9,13 @@ bounded by construction (the buffer still measures and enforces it per token).
 
 Tasks stream from the task files, epoch after epoch. Tail cancellation: once all but
 `tail_keep` groups of the oldest open batch are done, a group that has run longer than
-`tail_factor` x the batch's median group time is cancelled and its task re-queued at the back.
+`tail_factor` x the batch's median group time is cancelled and its task re-queued at the back;
+ray.cancel reaches the episode's asyncio task in the env actor, which cancels its engine call and
+closes its session (actors/env_pool.py).
+
+Recipe knobs: `train.rolling_start` (size, interval_s) opens the first max_in_flight_groups
+groups in waves; `train.oversampling = false` never replaces a filtered or cancelled group (the
+batch is whatever survived, see actors/buffer.py) instead of giving its slot to another group.
 """
 
 from __future__ import annotations
@@ -102,6 +108,8 @@ class RolloutController:
         self._window: collections.deque[bool] = collections.deque(maxlen=config.breaker_window)
         self._reasons: collections.Counter[str] = collections.Counter()
         self._rr = 0
+        self._t0 = time.monotonic()  # rolling start: when the controller started, and its seq
+        self._seq0 = 0
 
     # ------------------------------------------------------------------ control
 
@@ -115,6 +123,12 @@ class RolloutController:
             next(self.tasks)
         self.tasks_taken = tasks_taken
         self.requeued.extend((t, 0) for t in pending or [])
+        if not self.cfg.oversampling:
+            # resume: batches that had groups in flight at the checkpoint are cut with what
+            # settled (their tasks run again first, in new batches)
+            batch = await self.buffer.close_open_batches.remote()
+            self.started = self.seq = batch * self.cfg.groups_per_batch
+        self._t0, self._seq0 = time.monotonic(), self.seq
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._run(), name="rl360-rollout-loop")
         self._loop_task.add_done_callback(self._on_done)
@@ -209,12 +223,27 @@ class RolloutController:
             if len(self.inflight) >= self.cfg.max_in_flight_groups:
                 await self._wait()
                 continue
+            wave_wait = self._rolling_wait()
+            if wave_wait > 0:
+                self.counts["rolling_start_waits"] += 1
+                await self._wait(timeout_s=wave_wait)
+                continue
             queued = await self.buffer.size.remote()
             if queued + len(self.inflight) >= self.cfg.capacity_groups:
                 self.counts["backpressure_waits"] += 1
                 await self._wait(timeout_s=0.5)
                 continue
             return
+
+    def _rolling_wait(self) -> float:
+        """Seconds until the rolling start's next wave may open a group (0: now). Waves of
+        `size` groups every `interval_s`, until max_in_flight_groups groups were opened."""
+        rs = self.cfg.rolling_start
+        opened = self.seq - self._seq0
+        if rs.size == 0 or opened >= self.cfg.max_in_flight_groups:
+            return 0.0
+        wave = opened // rs.size  # the wave this group belongs to
+        return max(0.0, self._t0 + wave * rs.interval_s - time.monotonic())
 
     async def _wait(self, timeout_s: float | None = None) -> None:
         ev = self._wake
@@ -303,10 +332,13 @@ class RolloutController:
         for old in [b for b in self.done_times if b < oldest]:  # bounded: no group needs them
             del self.done_times[old]
         self.counts["record_bytes"] += sum(len(msgspec.msgpack.encode(r)) for r in records)
-        if not await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs]):
-            # filtered (no reward variance, or all infra failures): its batch slot goes to
-            # another group, or the staleness gate would wait for a batch that never fills
-            self.started -= 1
+        batch = -1 if self.cfg.oversampling else g.batch
+        if not await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch):
+            # filtered (no reward variance, or all infra failures): with oversampling its batch
+            # slot goes to another group (or the staleness gate would wait for a batch that
+            # never fills); without, the batch is whatever survived
+            if self.cfg.oversampling:
+                self.started -= 1
             self.counts["groups_filtered"] += 1
         self.counts["groups_done"] += 1
         self._notify()
@@ -331,5 +363,8 @@ class RolloutController:
                     self.requeued.append((g.task, g.batch + 1))  # not in the batch it stalled
                     self.counts["tail_cancelled_groups"] += 1
                     log.info("tail-cancelled %s after %.1fs (limit %.1fs)", gid, now - g.started, limit)
-                    self.started -= 1  # its slot in the batch goes to the next group
+                    if self.cfg.oversampling:
+                        self.started -= 1  # its slot in the batch goes to the next group
+                    else:
+                        await self.buffer.skip_group.remote(g.batch)
             self._notify()

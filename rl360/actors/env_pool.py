@@ -16,6 +16,7 @@ reward 0.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
@@ -121,6 +122,12 @@ class EnvActor:
             except (TaskRefused, ValueError) as exc:
                 await _safe_close(shard, sid, token)
                 return _infra(task, group_id, str(exc), t0)
+            except asyncio.CancelledError:
+                # tail cancellation (ray.cancel): the chat call in flight was cancelled on the
+                # shard (ShardChatClient), so the engine drops the request; close the session
+                # now instead of leaving it open until its TTL
+                await asyncio.shield(_safe_close(shard, sid, token))
+                raise
             finally:
                 if sandbox is not None:
                     await _quietly(sandbox.close())

@@ -6,6 +6,7 @@ ledger, so the trajectory's tokens always come from the engine."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -47,7 +48,14 @@ class ShardChatClient:
             tools=list(tools) or None,
             **self.sampling,
         )
-        out = await self.shard.chat.remote(self.session_id, self.token, req)
+        ref = self.shard.chat.remote(self.session_id, self.token, req)
+        try:
+            out = await ref
+        except asyncio.CancelledError:  # the episode was cancelled: cancel the shard's call,
+            import ray  # whose asyncio task then cancels the engine request
+
+            ray.cancel(ref)
+            raise
         if isinstance(out, ApiError) and out.code == "context_length":
             # the conversation outgrew the context: the model's episode is cut, not broken
             return ChatTurn(message=Message(role="assistant", content=""), finish_reason="length")

@@ -92,3 +92,45 @@ async def test_branches_of_a_session_forest_are_trained_as_samples() -> None:
     assert sorted(tuple(s.tokens) for s in samples) == [(1, 2, 3, 4), (1, 2, 3, 4), (1, 9)]
     adv = {tuple(s.tokens): s.advantage for s in samples if s.reward == 1.0}
     assert adv[(1, 9)] == adv[(1, 2, 3, 4)] > 0  # the episode's advantage for every leaf
+
+
+async def test_positive_first_curriculum_scales_non_positive_advantages_early() -> None:
+    from rl360.actors.buffer import curriculum_factor
+
+    cfg = checked(TrainSection, curriculum="positive-first", curriculum_steps=5, curriculum_floor=0.2)
+    assert [curriculum_factor(cfg, s) for s in (1, 3, 5, 9)] == pytest.approx([0.2, 0.6, 1.0, 1.0])
+    plain, cur = make(), make(curriculum="positive-first", curriculum_steps=5, curriculum_floor=0.2)
+    for step in (1, 3, 5):
+        for b in (plain, cur):
+            b.add_trajectories("g", "t", [traj(1.0), traj(0.0), traj(0.0), traj(0.5)])
+        a = [m.advantage for m in (await plain.next_batch(0, step)).members]  # type: ignore[union-attr]
+        c = [m.advantage for m in (await cur.next_batch(0, step)).members]  # type: ignore[union-attr]
+        f = curriculum_factor(cur.cfg, step)
+        assert any(x > 0 for x in a) and any(x < 0 for x in a)
+        assert c == pytest.approx([x if x > 0 else x * f for x in a])
+
+
+async def test_without_oversampling_a_batch_is_what_survived_of_its_groups() -> None:
+    buf = make(groups_per_batch=3, oversampling=False, filter_zero_variance=True)
+    varied = [traj(1.0), traj(0.0), traj(0.0), traj(1.0)]
+    assert await buf.add_group("a", "t", [t.record() for t in varied], [varied], 0)
+    # batch 1's group finishes first: it must not fill batch 0
+    assert await buf.add_group("d", "t", [t.record() for t in varied], [varied], 1)
+    flat = [traj(1.0)] * 4
+    assert not await buf.add_group("b", "t", [t.record() for t in flat], [flat], 0)  # filtered
+    assert await buf.next_batch(0, 1, timeout_s=0.2) is None  # batch 0 has a group running
+    await buf.skip_group(0)  # ... which is tail-cancelled, not replaced
+    batch = await buf.next_batch(0, 1, timeout_s=0.2)
+    assert batch is not None and len(batch.members) == 4  # only group "a"
+    for _ in range(2):  # batch 1: "d" plus two filtered groups
+        assert not await buf.add_group("x", "t", [t.record() for t in flat], [flat], 1)
+    batch = await buf.next_batch(0, 2, timeout_s=0.2)
+    assert batch is not None and len(batch.members) == 4
+    for _ in range(3):  # batch 2: nothing survived, skipped; batch 3 comes next
+        await buf.skip_group(2)
+    assert await buf.add_group("e", "t", [t.record() for t in varied], [varied], 3)
+    assert await buf.close_open_batches() == 4  # a resume: batch 3's other groups are gone
+    batch = await buf.next_batch(0, 3, timeout_s=0.2)
+    assert batch is not None and len(batch.members) == 4
+    stats = await buf.take_recent_stats()
+    assert stats["count/batches_empty"] == 1 and stats["count/groups_not_replaced"] == 2 + 2 + 3 + 2
