@@ -106,4 +106,9 @@ class ServeEngineClient:
         if self._handle is None:
             self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
         h = self._handle.options(session_id=route_key) if route_key else self._handle
-        return await h.generate.remote(prompt_ids, sampling)
+        response = h.generate.remote(prompt_ids, sampling)
+        try:
+            return await response
+        except asyncio.CancelledError:  # the episode was cancelled (tail cancellation): the
+            response.cancel()  # replica's generate is cancelled and the backend drops it
+            raise

@@ -1,0 +1,83 @@
+"""Tail cancellation reaches the episode: ray.cancel on an env actor's rollout cancels the
+episode's asyncio task, which cancels its chat call on the session shard (so the engine request
+is dropped) and closes its session there instead of leaving it open until its TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from rl360.recipe import EnvSection, ModelSection, ServeSection
+from rl360.serve.sessions.service import LocalEngineClient
+from rl360.types import Generation, SamplingParams, Task
+
+pytestmark = pytest.mark.ray
+
+NS = "rl360-tests"
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def note(self, event: str) -> None:
+        self.events.append(event)
+
+    def log(self) -> list[str]:
+        return self.events
+
+
+class HangingEngine(LocalEngineClient):
+    """An engine whose generations never finish; it tells the recorder when one starts and
+    when one is cancelled (dropped)."""
+
+    def __init__(self, recorder: Any) -> None:
+        super().__init__(None)
+        self.recorder = recorder
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       route_key: str | None) -> Generation:
+        await self.recorder.note.remote("generate")
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.recorder.note.remote("cancelled")
+            raise
+        raise AssertionError("unreachable")
+
+
+def wait_for(fn, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not fn():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_cancelled_episode_closes_its_session_and_drops_its_engine_request(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    from rl360.actors.env_pool import EnvActor, with_plain_asyncio
+    from rl360.serve.sessions.shard import SessionShard
+
+    recorder = ray.remote(Recorder).remote()
+    shard = ray.remote(SessionShard).options(name="rl360-test-shard", namespace=NS).remote(
+        ModelSection(), ServeSection(), "rl360", HangingEngine(recorder))
+    env = ray.remote(EnvActor).options(
+        **with_plain_asyncio({"num_cpus": 0}), max_concurrency=4).remote(
+        EnvSection(sandbox="process"), {"max_tokens": 8}, ["rl360-test-shard"], NS,
+        "http://127.0.0.1:1")
+    record, data = env.rollout.remote(Task(id="t0", prompt="x", data={"tests": ["assert True"]}),
+                                      "g0", None)
+    wait_for(lambda: "generate" in ray.get(recorder.log.remote()), "the episode's first chat")
+    assert ray.get(shard.stats.remote())["open_sessions"] == 1
+    ray.cancel(record)
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+        ray.get(data, timeout=60)
+    wait_for(lambda: ray.get(shard.stats.remote())["open_sessions"] == 0, "the session to close")
+    stats = ray.get(shard.stats.remote())
+    assert stats["sessions_closed"] == 1 and stats.get("sessions_reaped", 0) == 0
+    wait_for(lambda: "cancelled" in ray.get(recorder.log.remote()), "the engine request to drop")
+    for a in (env, shard, recorder):
+        ray.kill(a)
