@@ -21,6 +21,7 @@ class FakeEnvActor:
         self.version = 0
         self.slow_task, self.slow_s = slow_task, slow_s
         self.started: list[tuple[str, int]] = []
+        self.started_at: list[float] = []  # time.monotonic() of each episode's start
 
     def set_version(self, v: int) -> None:
         self.version = v
@@ -32,6 +33,7 @@ class FakeEnvActor:
 
     async def run(self, task: Task, group_id: str, sampling: dict | None = None) -> Trajectory:
         self.started.append((group_id, self.version))
+        self.started_at.append(time.monotonic())
         await asyncio.sleep(self.slow_s if task.id == self.slow_task else 0.01)
         r = float(hash(group_id) % 2)
         return Trajectory(session_id="s", tokens=[1, 2], mask=[0, 1], logprobs=[None, -0.1],
@@ -40,6 +42,9 @@ class FakeEnvActor:
 
     def log(self) -> list[tuple[str, int]]:
         return self.started
+
+    def start_times(self) -> list[float]:
+        return self.started_at
 
 
 @pytest.fixture
@@ -60,7 +65,7 @@ def start(ray, tasks_file: str, staleness: int, env_kw: dict | None = None, **cf
 
     env = ray.remote(FakeEnvActor).remote(**(env_kw or {}))
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
-                    max_staleness=staleness, max_in_flight_groups=8, **cfg)
+                    max_staleness=staleness, **{"max_in_flight_groups": 8, **cfg})
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
     ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
@@ -135,10 +140,10 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
 
 
 class VarianceEnvActor:
-    """Odd tasks get rewards 0 and 1 in a group; even tasks always 1 (filtered)."""
+    """Odd tasks get rewards 1, 0, 1, ... in a group; even tasks always 1 (filtered)."""
 
     def __init__(self) -> None:
-        self.n = 0
+        self.n: dict[str, int] = {}
 
     @ray.method(num_returns=2)
     async def rollout(self, task: Task, group_id: str, sampling: dict | None = None) -> tuple:
@@ -146,9 +151,9 @@ class VarianceEnvActor:
         return t.record(), t
 
     async def run(self, task: Task, group_id: str, sampling: dict | None = None) -> Trajectory:
-        self.n += 1
+        self.n[group_id] = self.n.get(group_id, 0) + 1
         odd = int(task.id[1:]) % 2 == 1
-        r = float(self.n % 2) if odd else 1.0
+        r = float(self.n[group_id] % 2) if odd else 1.0
         return Trajectory(session_id="s", tokens=[1, 2], mask=[0, 1], logprobs=[None, -0.1],
                           versions=[None, 0], provenance=["prompt", "generated"],
                           task_id=task.id, group_id=group_id, reward=Reward(r))
@@ -256,3 +261,47 @@ def test_a_checkpoint_resumes_without_skipping_or_repeating_a_task(ray_cluster, 
     started = [gid.split("-", 1)[1] for gid, _ in ray.get(env2.log.remote())]
     assert started[0] == "t1" and "t0" not in started
     ray.get(ctl2.stop.remote())
+
+
+def test_rolling_start_opens_the_first_groups_in_waves(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """Waves of 2 groups (4 episodes) 1.5 s apart until max_in_flight_groups (6) were opened;
+    without a rolling start all 6 groups start at once."""
+    t0 = time.monotonic()  # before the controller starts: a lower bound of its wave clock
+    env, _buf, _pub, ctl = start(ray, tasks_file, staleness=10, rolling_start={"size": 2, "interval_s": 1.5},
+                                 max_in_flight_groups=6)
+    deadline = time.time() + 30
+    while len(ray.get(env.start_times.remote())) < 16 and time.time() < deadline:
+        time.sleep(0.1)
+    t = ray.get(env.start_times.remote())
+    status = ray.get(ctl.stop.remote())
+    assert len(t) >= 16 and status["count/rolling_start_waits"] >= 2
+    # episodes 0-3: wave 0; 4-7: wave 1 (>= 1.5 s after the start); 8-11: wave 2 (>= 3 s)
+    assert max(t[:4]) < min(t[4:8]) and t[4] - t0 >= 1.5 and t[8] - t0 >= 3.0
+
+
+def test_without_oversampling_filtered_groups_are_not_replaced(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """oversampling = false: exactly groups_per_batch groups start per batch; batch 0 (t0 and
+    t1) keeps only t1's group (t0 is filtered for zero variance), batch 1 only t3's."""
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import RolloutController
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    env = ray.remote(VarianceEnvActor).remote()
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+                    max_staleness=0, max_in_flight_groups=4, filter_zero_variance=True,
+                    oversampling=False)
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
+    pub = ray.remote(WeightPublisher).remote()
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
+        train, 1, [env], buf, pub)
+    ray.get(ctl.start.remote())
+    for version, task in ((0, "t1"), (1, "t3")):
+        # the fake env's tokens are all version 0: the buffer is asked at version 0
+        batch = ray.get(buf.next_batch.remote(0, version + 1, 20.0))
+        assert batch is not None and len(batch.members) == 2
+        assert {m.task_id for m in batch.members} == {task}
+        assert ray.get(ctl.status.remote())["groups_started"] == 2 * (version + 1)
+        ray.get(pub.publish.remote(version + 1, []))
+        ray.get(pub.report_applied.remote("r0", version + 1))
+    status = ray.get(ctl.stop.remote())
+    assert status["count/groups_filtered"] >= 2
