@@ -134,3 +134,21 @@ async def test_without_oversampling_a_batch_is_what_survived_of_its_groups() -> 
     assert batch is not None and len(batch.members) == 4
     stats = await buf.take_recent_stats()
     assert stats["count/batches_empty"] == 1 and stats["count/groups_not_replaced"] == 2 + 2 + 3 + 2
+
+
+async def test_without_oversampling_a_resume_cuts_the_batches_that_had_groups_in_flight() -> None:
+    """The checkpoint saw batch 0's second group and batch 1's first group in flight (their
+    tasks run again in new batches): the restored buffer cuts batches 0 and 1 with what settled
+    and the controller numbers new groups from batch 2."""
+    old = make(groups_per_batch=2, oversampling=False)
+    varied = [traj(1.0), traj(0.0), traj(0.0), traj(1.0)]
+    assert await old.add_group("a", "t", [t.record() for t in varied], [varied], 0)
+    assert await old.add_group("d", "t", [t.record() for t in varied], [varied], 1)
+    new = make(groups_per_batch=2, oversampling=False)
+    await new.load_state(await old.state())
+    assert await new.next_batch(0, 1, timeout_s=0.1) is None
+    assert await new.close_open_batches() == 2
+    for step in (1, 2):
+        batch = await new.next_batch(0, step, timeout_s=0.2)
+        assert batch is not None and len(batch.members) == 4
+    assert await new.next_batch(0, 3, timeout_s=0.1) is None
