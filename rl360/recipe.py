@@ -235,6 +235,10 @@ class TrainerSection(_S):
     workers: PosInt = 1  # data-parallel trainer ranks (torch, fsdp; megatron: TP x DP)
     num_cpus: NonNegFloat = 1.0
     num_gpus: NonNegFloat = 0.0
+    # where the ranks compute: "auto" = on their reserved GPU when num_gpus > 0, else the CPU;
+    # "cpu" = on the CPU even with GPUs reserved (placement dry runs on clusters whose GPUs
+    # are Ray resources only, debugging a layout on CPU machines)
+    device: Literal["auto", "cpu"] = "auto"
     lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 1e-5
     warmup_steps: NonNegInt = 0  # linear lr warm-up over the first optimizer steps
     weight_decay: NonNegFloat = 0.0

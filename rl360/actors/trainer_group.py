@@ -102,7 +102,8 @@ class TrainerWorker:
             if master[0] == "127.0.0.1":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             # gloo for CPU tensors; NCCL for CUDA ones when this rank trains on its GPU
-            pg_backend = ("cpu:gloo,cuda:nccl" if config.num_gpus > 0 and torch.cuda.is_available()
+            pg_backend = ("cpu:gloo,cuda:nccl" if config.device != "cpu" and config.num_gpus > 0
+                          and torch.cuda.is_available()
                           else "gloo")
             dist.init_process_group(
                 pg_backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,

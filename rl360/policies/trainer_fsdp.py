@@ -65,7 +65,7 @@ class FSDPTrainer(TorchTrainer):
     def __init__(self, config: TrainerSection, model_path: str | Path, **kwargs: Any) -> None:
         """As `TorchTrainer` (the trainer group's process group is the FSDP group)."""
         if not dist.is_initialized():  # one rank on its own: a private 1-process group
-            gpu = config.num_gpus > 0 and torch.cuda.is_available()
+            gpu = config.device != "cpu" and config.num_gpus > 0 and torch.cuda.is_available()
             dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo",
                                     store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(config, model_path, **kwargs)

@@ -51,7 +51,8 @@ class TorchTrainer:
         """`temperature`: the engines' sampling temperature (logits are divided by it, as the
         engines sampled); `seed`: the run's seed."""
         self._init_common(config, model_path, temperature, seed)
-        self.placement: Placement = select_device(config.num_gpus, config.dtype,
+        gpus = 0.0 if config.device == "cpu" else config.num_gpus
+        self.placement: Placement = select_device(gpus, config.dtype,
                                                   gpus_key="trainer.num_gpus",
                                                   dtype_key="trainer.dtype")
         self.device = self.placement.device

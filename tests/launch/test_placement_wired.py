@@ -31,7 +31,7 @@ OVERRIDES = [
     "run.name=wired",
     "model.path=tiny", "engine.backend=scripted", "engine.replicas=2", "engine.num_gpus=1",
     "engine.num_cpus=0.5",
-    "trainer.workers=3", "trainer.num_gpus=1", "trainer.num_cpus=0.5",
+    "trainer.workers=3", "trainer.num_gpus=1", "trainer.device=cpu", "trainer.num_cpus=0.5",
     "env.actors=2", "env.num_cpus=0.25", "env.episodes_per_actor=4",
     "serve.proxy_location=HeadOnly",
     "cluster.service.nodes=1", "cluster.service.cpus_per_node=2",
