@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 from collections import Counter
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -169,8 +170,12 @@ class SessionService:
     async def chat(
         self, sid: str | None, token: str | None, req: ChatCompletionRequest
     ) -> dict[str, Any] | ApiError:
+        return await self._answer(self._chat(sid, token, req))
+
+    async def _answer(self, call: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any] | ApiError:
+        """The call's response, or the refusal it raised as an ApiError (counted)."""
         try:
-            return await self._chat(sid, token, req)
+            return await call
         except LedgerError as exc:
             self.events[f"rejected_{exc.code}"] += 1
             return ApiError(exc.status, exc.code, exc.message)
@@ -244,11 +249,7 @@ class SessionService:
     async def complete(
         self, sid: str | None, token: str | None, req: CompletionRequest
     ) -> dict[str, Any] | ApiError:
-        try:
-            return await self._complete(sid, token, req)
-        except LedgerError as exc:
-            self.events[f"rejected_{exc.code}"] += 1
-            return ApiError(exc.status, exc.code, exc.message)
+        return await self._answer(self._complete(sid, token, req))
 
     async def _complete(
         self, sid: str | None, token: str | None, req: CompletionRequest
