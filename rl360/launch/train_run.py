@@ -27,6 +27,7 @@ import ray
 from rl360.actors.buffer import TrajectoryBuffer
 from rl360.actors.controller import ControllerFailed, RolloutController
 from rl360.actors.metrics import MetricsSink
+from rl360.actors.reward_stats import first_values, with_deltas
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.stack import Stack, running_stack
 from rl360.launch.support import support_problems
@@ -122,6 +123,7 @@ class TrainRun:
         self.version = int(self.meta.get("version", 0))
         self.deadline: float | None = None
         self.sink: MetricsSink | None = None
+        self.first_domain: dict[str, float] = {}  # domain reward at its first step (deltas)
 
     # ------------------------------------------------------------------ set-up
 
@@ -145,6 +147,7 @@ class TrainRun:
                                         inplace=recipe.engine.backend == "torch")
             self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
                                     msgspec.to_builtins(recipe), resume=self.ckpt is not None)
+            self.first_domain = first_values(self.sink.rows)
             try:
                 if self.ckpt is not None:
                     ray.get(actors.buffer.load_state.remote(
@@ -209,7 +212,7 @@ class TrainRun:
             last_engine = engines
             trained_tokens = batch.loss_tokens
             assert self.sink is not None
-            self.sink.log({
+            self.sink.log(with_deltas({
                 "step": step, "policy_version": self.version, "reward_mean": stats["reward_mean"],
                 "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
                 "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "entropy": m.get("entropy"),
@@ -229,7 +232,10 @@ class TrainRun:
                 "in_flight_episodes": cstat["in_flight_episodes"],
                 **{k: v for k, v in stats.items() if k.startswith("count/")},
                 **{k: v for k, v in cstat.items() if k.startswith("count/")},
-            })
+                # per domain / task / component, group outcomes, masked counts (reward_stats)
+                "infra_rate": stats.get("infra_rate"), "tokens": stats.get("tokens"),
+                **{k: v for k, v in stats.items() if "/" in k and not k.startswith("count/")},
+            }, self.first_domain))
             out_of_time = (self.deadline is not None and time.monotonic() >= self.deadline
                            and step < tr.steps)
             if out_of_time:
