@@ -54,6 +54,12 @@ class MetricsSink:
 
     def _progress(self, row: dict[str, Any]) -> None:
         step = row["step"]
+        if isinstance(row.get("eval/reward_mean"), int | float):
+            print(f"eval (policy of step {row.get('eval/step', '?')}, {row.get('eval/episodes', 0)} "
+                  f"tasks): reward {row['eval/reward_mean']:.3f}  pass@1 "
+                  f"{row.get('eval/pass@1') or 0.0:.3f}", flush=True)
+        if "reward_mean" not in row:  # an eval-only row (the evaluation that ended last)
+            return
         if self.first_step is None:
             self.first_step = step
             self.t0 = time.monotonic() - row.get("step_s", 0.0)
