@@ -383,6 +383,12 @@ class TrainSection(_S):
     checkpoint_every: NonNegInt = 10  # 0 = only at the end
     keep_checkpoints: PosInt = 2
     wandb: Literal["offline", "online", "disabled"] = "offline"
+    # N > 0: N sampled trajectories of every step's batch (decoded text, reward, components,
+    # versions) appended to <run dir>/trajectories.jsonl
+    log_trajectories: NonNegInt = 0
+    # K > 0: every K steps, one attempt at each held-out task (eval.tasks, eval.limit, with
+    # eval.sampling) on the current policy, alongside training; logged as eval/* when done
+    eval_every: NonNegInt = 0
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
 
 

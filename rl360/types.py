@@ -153,6 +153,7 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
     # filled by the env actor once the episode is verified
     task_id: str | None = None
     group_id: str | None = None
+    domain: str = ""  # the task's domain (rl360.actors.reward_stats.task_domain)
     reward: Reward | None = None
     status: EpisodeStatus = "ok"
     error: str | None = None
@@ -168,7 +169,7 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
             reward=self.reward, error=self.error, tokens=sum(len(s.tokens) for s in picked),
             loss_tokens=int(sum(sum(s.mask) for s in picked)), min_version=min(gen) if gen else 0,
             max_version=max(gen) if gen else 0, timings=dict(self.timings),
-            samples=len(picked))
+            samples=len(picked), domain=self.domain)
 
 
 class EpisodeRecord(msgspec.Struct, omit_defaults=True):
@@ -187,6 +188,7 @@ class EpisodeRecord(msgspec.Struct, omit_defaults=True):
     max_version: int = 0
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     samples: int = 1  # trained sequences: the primary sample plus the picked branches
+    domain: str = ""  # the task's domain / family, for per-domain metrics
 
     @property
     def valid(self) -> bool:

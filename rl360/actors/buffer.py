@@ -28,6 +28,12 @@ from typing import Any
 
 import msgspec
 
+from rl360.actors.reward_stats import (
+    episode_metrics,
+    group_metrics,
+    group_outcome,
+    masked_metrics,
+)
 from rl360.policies.advantages import build_advantage
 from rl360.recipe import TrainSection
 from rl360.types import EpisodeRecord, TrainSample, Trajectory
@@ -141,6 +147,10 @@ class TrajectoryBuffer:
         # open batch are settled (queued, filtered or cancelled)
         self._next_b = 0
         self._settled: collections.Counter[int] = collections.Counter()
+        # every finished episode's record and group outcome since the last stats (all small)
+        self._recent_records: list[EpisodeRecord] = []
+        self._recent_outcomes: list[dict[str, bool]] = []
+        self._recent_filtered = [0, 0]  # groups, episodes filtered for zero variance
 
     def _notify(self) -> None:
         self._changed.set()
@@ -189,6 +199,8 @@ class TrajectoryBuffer:
     def _add(self, group_id: str, task_id: str, records: list[EpisodeRecord],
              refs: list[Any], batch: int = -1) -> bool:
         valid = [r.valid for r in records]
+        self._recent_records.extend(records)
+        self._recent_outcomes.append(group_outcome(records))
         for r in records:
             self.counts[f"episodes_{r.status}"] += 1
         rewards = [r.reward.value if ok and r.reward else 0.0
@@ -204,6 +216,8 @@ class TrajectoryBuffer:
             return False
         if self.cfg.filter_zero_variance and max(good) - min(good) < 1e-9:
             self.counts["groups_zero_variance"] += 1
+            self._recent_filtered[0] += 1
+            self._recent_filtered[1] += len(good)
             return False
         adv = self.advantage(rewards, valid)
         members = [Member(ref=ref, advantage=float(a), reward=r.reward.value, tokens=r.tokens,
@@ -288,7 +302,13 @@ class TrajectoryBuffer:
             "queued_groups": len(self.groups),
             **{f"count/{k}": v for k, v in self.counts.items()},
         }
+        # per domain / task / component, group outcomes, masked episodes (reward_stats.py)
+        em = episode_metrics(self._recent_records)
+        out.update({k: v for k, v in em.items() if "/" in k or k in ("infra_rate", "tokens")})
+        out.update(group_metrics(self._recent_outcomes, self._recent_filtered[0]))
+        out.update(masked_metrics(self._recent_records, self._recent_filtered[1]))
         self._recent_rewards, self._recent_pass, self._recent_tokens = [], [], 0
+        self._recent_records, self._recent_outcomes, self._recent_filtered = [], [], [0, 0]
         return out
 
     async def state(self) -> bytes:

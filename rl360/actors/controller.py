@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import ray
 
+from rl360.actors.reward_stats import task_domain
 from rl360.envs.tasks import iter_tasks
 from rl360.recipe import TrainSection
 from rl360.types import EpisodeRecord, Task
@@ -269,7 +270,8 @@ class RolloutController:
             self.counts["episodes_actor_lost"] += 1
             self._lost_at[g.actors[i]] = time.monotonic()
             rec = EpisodeRecord(task_id=g.task.id, group_id=gid, status="infra_error",
-                                reward=None, error=f"env actor lost: {type(exc).__name__}")
+                                reward=None, error=f"env actor lost: {type(exc).__name__}",
+                                domain=task_domain(g.task))
         if rec.status != "infra_error" or g.reruns[i] >= self.cfg.episode_reruns:
             return rec
         g.reruns[i] += 1

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import ray
 
+from rl360.actors.reward_stats import task_domain
 from rl360.actors.session_client import SessionDirectory, ShardChatClient
 from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
@@ -40,7 +41,8 @@ log = logging.getLogger("rl360.env")
 
 def _infra(task: Task, group_id: str, reason: str, t0: float) -> Trajectory:
     return Trajectory(session_id="", tokens=[], mask=[], logprobs=[], versions=[], provenance=[],
-                      task_id=task.id, group_id=group_id, status="infra_error", error=reason,
+                      task_id=task.id, group_id=group_id, domain=task_domain(task),
+                      status="infra_error", error=reason,
                       timings={"episode_s": time.monotonic() - t0})
 
 
@@ -143,6 +145,7 @@ class EnvActor:
             traj.timings = {**result.timings, "episode_s": time.monotonic() - t0}
             traj.counters = {**traj.counters, **result.counters}
             traj.task_id, traj.group_id = task.id, group_id
+            traj.domain = task_domain(task)
             return traj
         finally:
             self.running -= 1

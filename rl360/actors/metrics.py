@@ -54,6 +54,12 @@ class MetricsSink:
 
     def _progress(self, row: dict[str, Any]) -> None:
         step = row["step"]
+        if isinstance(row.get("eval/reward_mean"), int | float):
+            print(f"eval (policy of step {row.get('eval/step', '?')}, {row.get('eval/episodes', 0)} "
+                  f"tasks): reward {row['eval/reward_mean']:.3f}  pass@1 "
+                  f"{row.get('eval/pass@1') or 0.0:.3f}", flush=True)
+        if "reward_mean" not in row:  # an eval-only row (the evaluation that ended last)
+            return
         if self.first_step is None:
             self.first_step = step
             self.t0 = time.monotonic() - row.get("step_s", 0.0)
@@ -96,6 +102,17 @@ def _start_wandb(run_dir: Path, name: str, mode: str, config: dict[str, Any]) ->
         return None
 
 
+def domain_lines(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(step, reward mean) per domain from the rows' `domain/<d>/reward_mean` keys."""
+    lines: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        for k, v in r.items():
+            if (k.startswith("domain/") and k.endswith("/reward_mean")
+                    and isinstance(v, int | float) and math.isfinite(v)):
+                lines.setdefault(k[len("domain/"):-len("/reward_mean")], []).append((r["step"], v))
+    return dict(sorted(lines.items()))
+
+
 def plot_curve(rows: list[dict[str, Any]], out: Path) -> Path | None:
     pts = [(r["step"], r["reward_mean"]) for r in rows if isinstance(r.get("reward_mean"), int | float)]
     if not pts:
@@ -110,11 +127,18 @@ def plot_curve(rows: list[dict[str, Any]], out: Path) -> Path | None:
     pr = [(r["step"], r["pass_rate"]) for r in rows if isinstance(r.get("pass_rate"), int | float)]
     if pr:
         ax.plot([p[0] for p in pr], [p[1] for p in pr], lw=1.0, alpha=0.7, label="pass rate")
+    for name, line in domain_lines(rows).items():
+        ax.plot([p[0] for p in line], [p[1] for p in line], lw=0.9, alpha=0.8, ls="--",
+                label=f"{name} reward")
+    ev = [(r["step"], r["eval/reward_mean"]) for r in rows
+          if isinstance(r.get("eval/reward_mean"), int | float)]
+    if ev:
+        ax.plot([p[0] for p in ev], [p[1] for p in ev], marker="o", lw=1.0, label="eval reward")
     ax.set_xlabel("training step (rollout iteration)")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize="small")
     ax.set_title("RL360 training reward")
     fig.tight_layout()
     fig.savefig(out)

@@ -90,10 +90,17 @@ def iter_code_tasks(path: str | os.PathLike[str]) -> Iterator[Task]:
                 raise TaskFormatError(
                     f"{where}: expected a JSON object, got {type(record).__name__}"
                 )
-            if "kind" in record and "data" in record:
-                yield full_task(record, where)
-            else:
-                yield code_task(record, where)
+            task = full_task(record, where) if "kind" in record and "data" in record \
+                else code_task(record, where)
+            yield with_domain(task, Path(path).resolve().parent.name)
+
+
+def with_domain(task: Task, directory: str) -> Task:
+    """`task` with `data["domain"]` set (for per-domain metrics): its own `domain`, else its
+    `family`, else the name of the directory its task file (or task dir) lies in."""
+    if not task.data.get("domain"):
+        task.data["domain"] = str(task.data.get("family") or directory or "unknown")
+    return task
 
 
 # ----------------------------------------------------------------------------- Harbor
@@ -168,12 +175,12 @@ def load_harbor_task(path: str | os.PathLike[str]) -> Task:
     }
     if not str(data["workdir"]).startswith("/"):
         raise TaskFormatError(f"{where}: environment.workdir must be an absolute path")
-    return Task(
+    return with_domain(Task(
         id=str(name or root.name),
         prompt=(root / "instruction.md").read_text(),
         kind="harbor",
         data=data,
-    )
+    ), root.resolve().parent.name)
 
 
 def iter_harbor_tasks(root: str | os.PathLike[str]) -> Iterator[Task]:

@@ -27,8 +27,10 @@ import ray
 from rl360.actors.buffer import TrajectoryBuffer
 from rl360.actors.controller import ControllerFailed, RolloutController
 from rl360.actors.metrics import MetricsSink
+from rl360.actors.reward_stats import first_values, with_deltas
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.stack import Stack, running_stack
+from rl360.launch.step_log import TrainEval, TrajectoryLog, load_eval_tasks
 from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
@@ -122,6 +124,14 @@ class TrainRun:
         self.version = int(self.meta.get("version", 0))
         self.deadline: float | None = None
         self.sink: MetricsSink | None = None
+        self.first_domain: dict[str, float] = {}  # domain reward at its first step (deltas)
+        try:  # the held-out set of train.eval_every, checked before anything starts
+            self.eval_tasks = load_eval_tasks(recipe.eval.tasks, recipe.eval.limit,
+                                              recipe.train.eval_every)
+        except ValueError as exc:
+            raise TrainSetupError(str(exc)) from None
+        self.traj_log: TrajectoryLog | None = None
+        self.evaluator: TrainEval | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -145,6 +155,12 @@ class TrainRun:
                                         inplace=recipe.engine.backend == "torch")
             self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
                                     msgspec.to_builtins(recipe), resume=self.ckpt is not None)
+            self.first_domain = first_values(self.sink.rows)
+            self.traj_log = TrajectoryLog(self.run_dir / "trajectories.jsonl",
+                                          tr.log_trajectories, str(model_path), recipe.run.seed)
+            assert stack.pool is not None
+            self.evaluator = TrainEval(tr.eval_every, self.eval_tasks, stack.pool.actors,
+                                       msgspec.to_builtins(recipe.eval.sampling))
             try:
                 if self.ckpt is not None:
                     ray.get(actors.buffer.load_state.remote(
@@ -157,6 +173,7 @@ class TrainRun:
                                                        int(self.meta.get("tasks_taken", 0)),
                                                        pending))
                 self.loop(stack, actors, transport)
+                self._last_eval()
             except ray.exceptions.RayTaskError as exc:
                 if not isinstance(exc.cause, ControllerFailed):
                     raise
@@ -200,6 +217,9 @@ class TrainRun:
                 t1 = time.monotonic()
                 transport.publish(self.version)
                 sync_s = time.monotonic() - t1
+            assert self.traj_log is not None and self.evaluator is not None
+            self.traj_log.write(batch, step)
+            self.evaluator.maybe_start(step)  # on the policy just published; never waited for
             stats = ray.get(actors.buffer.take_recent_stats.remote())
             cstat = ray.get(actors.controller.status.remote())
             wstat = stack.serving.weight_status()
@@ -209,7 +229,7 @@ class TrainRun:
             last_engine = engines
             trained_tokens = batch.loss_tokens
             assert self.sink is not None
-            self.sink.log({
+            self.sink.log(with_deltas({
                 "step": step, "policy_version": self.version, "reward_mean": stats["reward_mean"],
                 "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
                 "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "entropy": m.get("entropy"),
@@ -229,7 +249,11 @@ class TrainRun:
                 "in_flight_episodes": cstat["in_flight_episodes"],
                 **{k: v for k, v in stats.items() if k.startswith("count/")},
                 **{k: v for k, v in cstat.items() if k.startswith("count/")},
-            })
+                # per domain / task / component, group outcomes, masked counts (reward_stats)
+                "infra_rate": stats.get("infra_rate"), "tokens": stats.get("tokens"),
+                **{k: v for k, v in stats.items() if "/" in k and not k.startswith("count/")},
+                **self.evaluator.poll(),
+            }, self.first_domain))
             out_of_time = (self.deadline is not None and time.monotonic() >= self.deadline
                            and step < tr.steps)
             if out_of_time:
@@ -240,6 +264,16 @@ class TrainRun:
                 if STOP.requested or out_of_time:
                     print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
                     return
+
+    def _last_eval(self, timeout_s: float = 300.0) -> None:
+        """The evaluation still running when the last step is done: waited for (bounded) and
+        logged against that step."""
+        if STOP.requested or self.evaluator is None or self.sink is None:
+            return
+        if self.evaluator.pending and self.sink.rows:
+            out_of_time = self.deadline is not None and time.monotonic() >= self.deadline
+            if ev := self.evaluator.poll(0.0 if out_of_time else timeout_s):
+                self.sink.log({"step": self.sink.rows[-1]["step"], **ev})
 
     def _next_batch(self, actors: TrainActors, step: int) -> Any:
         """The batch of `step` from the buffer; None once a stop was requested or the time

@@ -46,11 +46,13 @@ def test_code_jsonl_fields_and_extras(tmp_path):
     assert (a.id, a.prompt, a.kind) == ("a", "do a", "code")
     assert a.data == {
         "family": "const",
+        "domain": "const",  # from the family (per-domain metrics)
         "tests": ["assert f() == 1"],
         "entry_point": "f",
         "reference": "def f():\n    return 1",
     }
     assert b.prompt == "do b" and b.data["reference"] == "pass" and b.data["tests"] == "assert True"
+    assert b.data["domain"] == tmp_path.name  # no domain/family: the file's directory
 
 
 def test_code_jsonl_is_streamed_and_errors_name_the_line(tmp_path):

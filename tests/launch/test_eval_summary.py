@@ -62,7 +62,9 @@ def test_calibrated_file_holds_full_records_that_load_as_tasks(tmp_path: Path) -
     trajs = [traj(t.id, v) for t in tasks for v in (1.0, 0.0)]
     out = write_calibration(summarize(trajs, 2), tasks, recipe, tmp_path)
     assert out == tmp_path / "sub" / "cal.jsonl"
-    assert list(iter_tasks(out)) == tasks  # the same Tasks, every kind, read by train.tasks' loader
+    loaded = list(iter_tasks(out))  # the same Tasks, every kind, read by train.tasks' loader
+    assert all(t.data.pop("domain") == "sub" for t in loaded)  # the loader adds the file's dir
+    assert loaded == tasks
 
 
 def test_default_band_is_the_seed_s_and_both_ends_are_keys() -> None:
