@@ -14,12 +14,8 @@ from rl360.recipe import EngineSection, ModelSection, ServeSection
 from rl360.serve.engines.scripted import ScriptedBackend
 from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest
 from rl360.serve.sessions.service import LocalEngineClient, SessionService
-from tests.serve.sessions.tito import check_engine_fidelity, check_trajectory
+from tests.serve.sessions.tito import BASH, SEARCH, check_engine_fidelity, check_trajectory
 
-BASH = [{"type": "function", "function": {"name": "bash", "description": "run a command",
-         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
-SEARCH = [{"type": "function", "function": {"name": "search", "description": "web search",
-           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
 RULES = [
     ["summarize", "A short summary."],
     ["think first", "<think>plan: say hi</think>Hello."],

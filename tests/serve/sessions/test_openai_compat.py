@@ -11,15 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serve.sessions.tito import check_trajectory
+from tests.serve.sessions.tito import BASH, SEARCH, check_trajectory
 from tests.serving import open_session, serving
 
 pytestmark = pytest.mark.ray
 
-BASH = [{"type": "function", "function": {"name": "bash", "description": "run a command",
-         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
-SEARCH = [{"type": "function", "function": {"name": "search", "description": "web search",
-           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
 RULES = [
     ["summarize", "A short summary."],
     ["</tool_response>", "Found a.txt."],

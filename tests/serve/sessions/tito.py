@@ -6,6 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+# tool specs the session tests offer (two lists, so a conversation can switch between them)
+BASH = [{"type": "function", "function": {"name": "bash", "description": "run a command",
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+SEARCH = [{"type": "function", "function": {"name": "search", "description": "web search",
+           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
 SAMPLE_KEYS = ("tokens", "mask", "logprobs", "versions", "provenance")
 
 
