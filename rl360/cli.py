@@ -20,6 +20,7 @@ import msgspec
 from rl360 import __version__
 from rl360.launch.paths import resolve_run_paths
 from rl360.launch.placement import PlacementError
+from rl360.launch.plot_runs import add_arguments as plot_arguments
 from rl360.merge.cli import DESCRIPTION as MERGE_DESCRIPTION
 from rl360.merge.cli import add_arguments as merge_arguments
 from rl360.recipe import RecipeError, load_recipe
@@ -155,6 +156,8 @@ COMMANDS: dict[str, Command] = {
     "index": Command("build and query search indexes (BM25, optional dense)",
                      "rl360.serve.search.cli:run_args", index_arguments, takes_recipe=False,
                      description=INDEX_DESCRIPTION),
+    "plot": Command("plot several runs' reward against wall-clock time or step",
+                    "rl360.launch.plot_runs:plot_command", plot_arguments, takes_recipe=False),
     "plan": Command(
         "print the resolved recipe and where every role lands (starts nothing)",
         "rl360.launch.plan:plan_command", _plan_args,

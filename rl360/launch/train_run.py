@@ -123,6 +123,7 @@ class TrainRun:
         self.step0 = int(self.meta.get("step", 0))
         self.version = int(self.meta.get("version", 0))
         self.deadline: float | None = None
+        self.t_start = time.monotonic()  # reset when the run starts; `elapsed_s` counts from it
         self.sink: MetricsSink | None = None
         self.first_domain: dict[str, float] = {}  # domain reward at its first step (deltas)
         try:  # the held-out set of train.eval_every, checked before anything starts
@@ -145,7 +146,8 @@ class TrainRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # the time budget counts from here: Ray, Serve, the actors and every step (a warm
         # start is a one-time cost, cached for later runs)
-        self.deadline = time.monotonic() + tr.max_minutes * 60 if tr.max_minutes else None
+        self.t_start = time.monotonic()
+        self.deadline = self.t_start + tr.max_minutes * 60 if tr.max_minutes else None
         model_path = resolve_model_path(recipe.model.path)
         (self.run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
         with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling)) as stack:
@@ -242,6 +244,9 @@ class TrainRun:
                 "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
                 "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
                 "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
+                # seconds since this process started the run (Ray, Serve, actors, steps): the
+                # x axis of `rl360 plot --x time`; a --resume starts it again from 0
+                "elapsed_s": time.monotonic() - self.t_start,
                 "samples": len(batch.members),
                 "is_ess_frac": m.get("is_ess_frac"), "sampler_kl": m.get("sampler_kl"),
                 "tis_capped_frac": m.get("tis_capped_frac"),
