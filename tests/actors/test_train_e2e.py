@@ -120,3 +120,32 @@ def test_train_logs_domains_components_trajectories_and_eval(tmp_path: Path) -> 
                for t in trajs)
     wandb_files = list((tmp_path / "e2e" / "wandb").rglob("*.wandb"))
     assert wandb_files, "no offline wandb run"
+
+
+def test_async_path_matches_the_sampler_when_the_policy_does_not_move(tmp_path: Path) -> None:
+    """#13 item 1, the controlled experiment as a regression test: with staleness allowed
+    (max_staleness = 2, in-flight weight swaps) but a learning rate too small to change a
+    float32 weight, every version is the same policy, so the asynchronous path must train on
+    exactly what the sampler saw: stale tokens present, and still no sampler-trainer mismatch,
+    full effective sample size, nothing clipped or truncated. A data-path bug (a logprob or a
+    version attached to the wrong token, a swap that tears a sequence, a group mixed across
+    versions) shows here as mismatch that staleness alone cannot cause."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "WANDB_MODE": "offline"}
+    cmd = train_cmd(tmp_path, 5)
+    for s in ("train.init=''", "train.max_staleness=2", "train.max_in_flight_groups=6",
+              "trainer.lr=1e-12", "trainer.warmup_steps=0", "train.checkpoint_every=0",
+              "engine.weight_update='inflight'",
+              # every sample through the loss (an untrained policy's groups all score 0: with
+              # zero advantages they would be skipped, and their mismatch never measured)
+              "trainer.loss.entropy_coef=1e-9"):
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=550)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    steps = [r for r in rows(tmp_path) if r.get("samples")]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert max(r["staleness_max"] for r in steps) >= 1, "no stale token: the test proves nothing"
+    for r in steps:
+        assert r["tis_mismatch"] < 1e-4, r
+        assert r["is_ess_frac"] > 0.9999 and r["sampler_kl"] < 1e-6, r
+        assert r["clip_frac"] == 0.0 and r["tis_capped_frac"] == 0.0, r
