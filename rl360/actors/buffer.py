@@ -264,7 +264,13 @@ class TrajectoryBuffer:
         self.groups = kept
 
     def _cut(self, version: int, step: int) -> RefBatch:
-        groups = [self.groups.popleft() for _ in range(self.cfg.groups_per_batch)]
+        """The `groups_per_batch` queued groups sampled by the oldest policies (ties: in the
+        order they completed): a group near the staleness bound is trained before it would
+        be dropped, and a slow group does not lose its place to quicker, newer ones."""
+        order = sorted(range(len(self.groups)), key=lambda i: self.groups[i].min_version)
+        take = set(order[: self.cfg.groups_per_batch])
+        groups = [g for i, g in enumerate(self.groups) if i in take]
+        self.groups = collections.deque(g for i, g in enumerate(self.groups) if i not in take)
         return self._batch(groups, version, step)
 
     def _cut_settled(self, version: int, step: int) -> RefBatch | None:

@@ -55,6 +55,19 @@ async def test_stale_groups_are_dropped_and_fresh_ones_batched() -> None:
     assert (await buf.take_recent_stats())["count/groups_dropped_stale"] == 1
 
 
+async def test_a_batch_takes_the_oldest_policys_groups_first() -> None:
+    """A slow group that completed after newer ones is trained first, before the staleness
+    bound would drop it; the rest keep their completion order."""
+    buf = make(max_staleness=1, groups_per_batch=2)
+    buf.add_trajectories("quick-new", "t", [traj(1.0, version=2), traj(0.0, version=2)])
+    buf.add_trajectories("quick-new-2", "t", [traj(1.0, version=2), traj(0.0, version=2)])
+    buf.add_trajectories("slow-old", "t", [traj(1.0, version=1), traj(0.0, version=1)])
+    batch = await buf.next_batch(trainer_version=2, step=3)
+    assert batch is not None and sorted(m.min_version for m in batch.members) == [1, 1, 2, 2]
+    later = await buf.next_batch(trainer_version=3, step=4, timeout_s=0.05)
+    assert later is None and await buf.size() == 1  # quick-new-2 waits, not dropped
+
+
 async def test_next_batch_waits_for_a_full_batch() -> None:
     buf = make(groups_per_batch=2)
     waiter = asyncio.create_task(buf.next_batch(0, 1, timeout_s=5))
