@@ -340,6 +340,10 @@ class TrainSection(_S):
     init: str = ""  # the policy to start from (e.g. `rl360 sft`'s output); "" = model.path
     tasks: list[str] = msgspec.field(default_factory=lambda: ["examples/tasks"])
     task_limit: NonNegInt = 0
+    # each pass over the tasks comes in a new order, drawn from a window of this many tasks
+    # (the files are streamed, never loaded whole; a window >= the task count is a full
+    # shuffle), seeded by run.seed and the pass number so a resume replays it; 0 = file order
+    shuffle_window: NonNegInt = 4096
     steps: PosInt = 100
     group_size: PosInt = 8  # attempts per task (one group)
     groups_per_batch: PosInt = 32

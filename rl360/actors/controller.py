@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import math
+import random
 import statistics
 import time
 from collections.abc import Iterator
@@ -62,24 +64,44 @@ class _Group:
         self.reruns = [0] * len(self.records)
 
 
-def _task_stream(paths: list[str], limit: int) -> Iterator[Task]:
-    while True:  # epochs; the files are re-read, never loaded whole
+def _task_stream(paths: list[str], limit: int, window: int = 0, seed: int = 0) -> Iterator[Task]:
+    """The tasks of `paths` (the first `limit` of each pass when > 0), pass after pass. With
+    `window` > 0 each pass is shuffled through a buffer of that many tasks (a full shuffle
+    when the pass is no longer than the window), seeded by (seed, pass): the same seed gives
+    the same stream, which is what a resume's skip-ahead relies on."""
+    for n_pass in itertools.count():
+        rng = random.Random(f"{seed}:{n_pass}")
+        pool: list[Task] = []
         n = 0
-        for p in paths:
-            for t in iter_tasks(p):
+        for t in _one_pass(paths, limit):
+            n += 1
+            if window <= 0:
                 yield t
-                n += 1
-                if limit and n >= limit:
-                    break
-            if limit and n >= limit:
-                break
+                continue
+            pool.append(t)
+            if len(pool) >= window:
+                i = rng.randrange(len(pool))
+                pool[i], pool[-1] = pool[-1], pool[i]
+                yield pool.pop()
+        rng.shuffle(pool)
+        yield from pool
         if n == 0:
             raise ValueError(f"no tasks in {paths}")
 
 
+def _one_pass(paths: list[str], limit: int) -> Iterator[Task]:
+    n = 0
+    for p in paths:  # the files are re-read each pass, never loaded whole
+        for t in iter_tasks(p):
+            yield t
+            n += 1
+            if limit and n >= limit:
+                return
+
+
 class RolloutController:
     def __init__(self, config: TrainSection, engine_replicas: int, env_actors: list[Any],
-                 buffer: Any, publisher: Any) -> None:
+                 buffer: Any, publisher: Any, seed: int = 0) -> None:
         """`config`: the recipe's [train] section (tasks, group size, batch, staleness,
         in-flight and tail limits, sampling); `engine_replicas` sizes the admission ramp."""
         self.cfg = config
@@ -88,7 +110,7 @@ class RolloutController:
         self.env_actors = env_actors
         self.buffer = buffer
         self.publisher = publisher
-        self.tasks = _task_stream(self.cfg.tasks, self.cfg.task_limit)
+        self.tasks = _task_stream(self.cfg.tasks, self.cfg.task_limit, self.cfg.shuffle_window, seed)
         # (task, first batch index it may run in)
         self.requeued: collections.deque[tuple[Task, int]] = collections.deque()
         self.inflight: dict[str, _Group] = {}

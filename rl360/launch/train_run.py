@@ -76,7 +76,8 @@ def start_train_actors(recipe: Recipe, stack: Stack, model_path: Any) -> TrainAc
         name="rl360-trajectory-buffer", **service).remote(tr, t.advantage)
     controller = ray.remote(RolloutController).options(
         name="rl360-rollout-controller", max_concurrency=1000, **service).remote(
-            tr, recipe.engine.replicas, stack.pool.actors, buffer, stack.serving.publisher)
+            tr, recipe.engine.replicas, stack.pool.actors, buffer, stack.serving.publisher,
+            seed=recipe.run.seed)
     ray.get([buffer.size.remote(), controller.status.remote()])  # up, or raise here
     return TrainActors(trainer=trainer, buffer=buffer, controller=controller)
 

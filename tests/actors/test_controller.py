@@ -65,7 +65,8 @@ def start(ray, tasks_file: str, staleness: int, env_kw: dict | None = None, **cf
 
     env = ray.remote(FakeEnvActor).remote(**(env_kw or {}))
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
-                    max_staleness=staleness, **{"max_in_flight_groups": 8, **cfg})
+                    max_staleness=staleness,
+                    **{"max_in_flight_groups": 8, "shuffle_window": 0, **cfg})
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
     ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
@@ -126,7 +127,7 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
     from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(VarianceEnvActor).remote()
-    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=4, filter_zero_variance=True)
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
@@ -185,7 +186,7 @@ def test_an_episode_whose_actor_dies_is_rerun_and_the_group_stays_whole(ray_clus
     from rl360.actors.controller import RolloutController
     from rl360.serve.weights.publisher import WeightPublisher
 
-    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=2)
     dying = ray.remote(DyingEnvActor).options(max_restarts=0).remote()
     good = ray.remote(FakeEnvActor).remote()
@@ -206,7 +207,7 @@ def test_the_circuit_breaker_stops_a_run_that_only_fails_on_infrastructure(ray_c
     from rl360.actors.controller import ControllerFailed, RolloutController
     from rl360.serve.weights.publisher import WeightPublisher
 
-    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=2, breaker_groups=3)
     env = ray.remote(InfraEnvActor).remote()
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
@@ -235,7 +236,7 @@ def test_a_checkpoint_resumes_without_skipping_or_repeating_a_task(ray_cluster, 
     from rl360.actors.controller import RolloutController
     from rl360.serve.weights.publisher import WeightPublisher
 
-    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=8)
     env = ray.remote(FakeEnvActor).remote(slow_task="t1", slow_s=600.0)
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
@@ -287,7 +288,7 @@ def test_without_oversampling_filtered_groups_are_not_replaced(ray_cluster, task
     from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(VarianceEnvActor).remote()
-    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=4, filter_zero_variance=True,
                     oversampling=False)
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
