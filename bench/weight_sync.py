@@ -10,7 +10,12 @@ bf16 RL step leaves: ~1%). Each transport gets `--warmup` untimed versions, then
 timed versions: median and spread (min-max). Effective GB/s = state bytes / seconds until
 every replica applied the version (so a delta that moves fewer bytes counts the whole state);
 "moved" = bytes each replica fetched or received for that version. Baseline: one local memcpy
-of the same bytes, sampled before every timed version (median). Last line:
+of the same bytes, sampled before every timed version (median). Each transport also prints
+where a version's time goes (median ms): the sender's pack (diff, checksums) and put (the
+object store write) or send (flatten + gloo broadcast), with their CPU time; the slower
+replica's fetch (zero-copy get, or receiving the broadcast) and update (queueing for the
+engine loop + the in-place load: apply, with its CPU time); rest = RPC hops and scheduling.
+Last line:
 {"bench": "weight_sync", "ours": <object store full GB/s>, "baseline": <memcpy GB/s>,
  "ratio": ..., "gloo_ratio": ..., "delta_ratio": ..., ...}
 """
@@ -82,8 +87,13 @@ class StateSender:
         self.group = GlooGroup(host, port, 0, world)
 
     def send_weights(self) -> int:
+        t0, c0 = time.perf_counter(), time.process_time()
         self.group.send(self.state)
+        self.sent = {"send_s": time.perf_counter() - t0, "send_cpu_s": time.process_time() - c0}
         return self.nbytes()
+
+    def last_send(self) -> dict[str, float]:
+        return dict(getattr(self, "sent", {}))
 
 
 class Memcpy:
@@ -106,6 +116,30 @@ class Memcpy:
 
 def stats(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+# where a version's time goes: the sender's part (object store: pack = diff + checksums,
+# put = the object store write; gloo: send = flatten + broadcast), then per replica fetch
+# (object store: the zero-copy get; gloo: receiving the broadcast) and update (queueing for
+# the engine loop + the in-place load, of which apply is the load itself, with its CPU time)
+PARTS = ("pack_s", "pack_cpu_s", "put_s", "put_cpu_s", "send_s", "send_cpu_s")
+REPLICA_PARTS = ("fetch_s", "update_s", "apply_s", "apply_cpu_s")
+
+
+def breakdown(sender: dict[str, Any], replicas: dict[str, dict[str, Any]], total: float,
+              version: int) -> dict[str, float]:
+    """Milliseconds per part of one version; replica parts are the slower replica's, `rest` is
+    what no part accounts for (RPC hops to the sender, publisher and back, scheduling)."""
+    mine = [d for d in replicas.values() if d.get("version") == version]
+    out = {k.removesuffix("_s"): 1e3 * float(sender[k]) for k in PARTS if k in sender}
+    for k in REPLICA_PARTS:
+        if mine and all(k in d for d in mine):
+            out[k.removesuffix("_s")] = 1e3 * max(float(d[k]) for d in mine)
+    sender_s = sum(float(sender.get(k, 0.0)) for k in ("pack_s", "put_s", "send_s"))
+    slowest = max((float(d.get("fetch_s", 0)) + float(d.get("update_s", 0)) for d in mine),
+                  default=0.0)
+    out["rest"] = 1e3 * max(0.0, total - sender_s - slowest)
+    return out
 
 
 def main() -> None:
@@ -148,6 +182,7 @@ def main() -> None:
             }
             for name, (transport, changed) in transports.items():
                 times, moved, kinds, fractions = [], [], [], []
+                parts: list[dict[str, float]] = []
                 for run in range(args.warmup + args.runs):
                     fractions.append(ray.get(sender.bump.remote(changed)))
                     version += 1
@@ -163,18 +198,26 @@ def main() -> None:
                         times.append(dt)
                         moved.append(int(last["nbytes"]))
                         kinds.append(last["kind"])
+                        sent = last if "put_s" in last else ray.get(sender.last_send.remote())
+                        fetched = ray.get(serving.publisher.status.remote())["fetched"]
+                        parts.append(breakdown(sent, fetched, dt, version))
                 gbps = [nbytes / t / 1e9 for t in times]
                 wire = [m / t / 1e9 for m, t in zip(moved, times, strict=True)]
                 results[name] = {"seconds": stats(times), "gbps": stats(gbps),
                                  "moved_mb": statistics.median(moved) / 1e6,
                                  "wire_gbps": statistics.median(wire), "kinds": kinds,
-                                 "changed": statistics.median(fractions[args.warmup:])}
+                                 "changed": statistics.median(fractions[args.warmup:]),
+                                 "breakdown_ms": {k: round(statistics.median(p.get(k, 0.0)
+                                                                             for p in parts), 1)
+                                                  for k in parts[0]}}
                 s, g = results[name]["seconds"], results[name]["gbps"]
                 print(f"{name:>18}: {s['median'] * 1e3:7.1f} ms median "
                       f"({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}), {g['median']:.2f} GB/s "
                       f"effective ({g['min']:.2f}-{g['max']:.2f}); moved "
                       f"{results[name]['moved_mb']:.1f} MB per replica per version "
                       f"({results[name]['wire_gbps']:.2f} GB/s); versions {kinds}", flush=True)
+                print(f"{'':>18}  median ms: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in results[name]["breakdown_ms"].items()), flush=True)
         finally:
             stop_serving(serving)
     base = stats(memcpy.samples)
@@ -192,6 +235,7 @@ def main() -> None:
         **{f"{k}_spread_gbps": [round(v["gbps"]["min"], 3), round(v["gbps"]["max"], 3)]
            for k, v in results.items()},
         **{f"{k}_moved_mb": round(v["moved_mb"], 2) for k, v in results.items()},
+        **{f"{k}_breakdown_ms": v["breakdown_ms"] for k, v in results.items()},
         "state_mb": round(nbytes / 1e6, 1), "replicas": 2, "runs": args.runs,
         "loadavg": [float(x) for x in load]}))
 

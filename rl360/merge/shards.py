@@ -201,6 +201,7 @@ def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
     )
     stats = Stats(mass=[0.0] * len(experts))
     pool = Pool()
+    slot = 0  # alternates when the output is built in the base's buffer (sparse.in_place)
     busy: list[Future[None] | None] = [None]
     reader = ThreadPoolExecutor(1, thread_name_prefix="merge-read")
     writes = ThreadPoolExecutor(1, thread_name_prefix="merge-write")
@@ -214,11 +215,14 @@ def merge_shard(job: Job, method: Method, idx: int, tick: Tick = None) -> Stats:
     try:
         for entry in entries:
             if sparse.can_load(method, job.reader, entry, base, experts):
-                loaded = sparse.load(entry, base, experts, method, pool, reader)
+                own = sparse.in_place(entry, base)
+                slot = 1 - slot if own else 0
+                loaded = sparse.load(entry, base, experts, method, pool, reader, slot)
                 numel = loaded.base_raw.numel()
                 st = tensor_stats(entry, numel, len(experts))
-                drain()  # the output buffer is free again
-                out = pool.tensor("out", (numel,), io.torch_dtype(entry.out_dtype))
+                drain()  # the output buffer (or the other base buffer) is free again
+                out = loaded.base_raw if own else pool.tensor(
+                    "out", (numel,), io.torch_dtype(entry.out_dtype))
                 z = sparse.zero_delta(method, entry.name)
                 sparse.output(entry, loaded, method.merge(loaded.group), z, method.snap, out, st)
                 stats.add(finish_stats(entry, st))

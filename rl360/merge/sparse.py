@@ -11,8 +11,10 @@ tensor, overlapped with the next tensor's reads and compute.
 
 The bytes are those of the dense path: at an untouched position the dense path writes
 cast(theta_0 + z), z being the method's delta for all-zero task vectors (+0 or -0), which is
-the base's value, -0 turned into +0 when z is +0; the merged entries get the same per-element
-arithmetic. Memory per tensor: the base as stored, the output, two chunks per expert and the
+the base's value, -0 turned into +0 when z is +0 (the base's -0 positions are found chunk by
+chunk while the chunk is in cache); the merged entries get the same per-element arithmetic.
+When the output dtype is the base's, the output is built in the base's own buffer (no copy;
+merge_shard alternates two of them so the writer thread may still hold the other). Memory per tensor: the base as stored, the output, two chunks per expert and the
 gathered entries (4 bytes x (N + 1) each), below the dense path's (N + 2) fp32 copies.
 """
 
@@ -56,11 +58,19 @@ class Loaded:
     group: Group  # the changed entries only (1-D, gathered)
     idx: torch.Tensor  # their flat positions (int64, ascending)
     base_raw: torch.Tensor  # the whole base tensor as stored (flat, pooled)
+    neg: np.ndarray  # flat positions where the base holds -0 (found chunk by chunk)
+
+
+def in_place(entry: Entry, base: io.Checkpoint) -> bool:
+    """The output tensor is the base's dtype: `output` then works in the base's buffer (no
+    copy), so merge_shard alternates two pooled base buffers (one may still be written)."""
+    return base.infos[entry.name].dtype == entry.out_dtype
 
 
 def load(entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], method: Method,
-         pool: Pool, reader: ThreadPoolExecutor) -> Loaded:  # fmt: skip
-    """Read one tensor of the base and every expert, keeping the entries some expert changed."""
+         pool: Pool, reader: ThreadPoolExecutor, slot: int = 0) -> Loaded:  # fmt: skip
+    """Read one tensor of the base and every expert, keeping the entries some expert changed
+    (the base goes whole into pooled buffer `slot`)."""
     import torch
 
     info = base.infos[entry.name]
@@ -68,7 +78,7 @@ def load(entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], me
     bits = BITS[size]
     numel = info.numel
     dtype = io.torch_dtype(info.dtype)
-    base_raw = pool.bytes("base-raw", info.nbytes)
+    base_raw = pool.bytes(f"base-raw{slot or ''}", info.nbytes)
     base_np = base_raw.numpy().view(bits)
     step = max(IO_BYTES // size, method.chunk)
     bufs = [[pool.bytes(f"chunk{s}-{i}", step * size).numpy().view(bits)
@@ -82,7 +92,7 @@ def load(entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], me
         for ck, buf in zip(experts, bufs[s], strict=True):
             ck.read_bytes(entry.name, start * size, buf[:n])
 
-    idx_parts, base_parts = [], []
+    idx_parts, base_parts, neg_parts = [], [], []
     exp_parts: list[list[np.ndarray]] = [[] for _ in experts]
     starts = list(range(0, numel, step))
     pending: Future[None] | None = reader.submit(fetch, 0, 0) if starts else None
@@ -97,6 +107,9 @@ def load(entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], me
             np.not_equal(buf[:n], b, out=d if e == 0 else t)
             if e:
                 np.logical_or(d, t, out=d)
+        np.equal(b, SIGN[size], out=t)  # -0 in the base, while the chunk is in cache
+        if t.any():
+            neg_parts.append(np.flatnonzero(t) + start)
         where = np.flatnonzero(d)
         idx_parts.append(where + start)
         base_parts.append(b[where])
@@ -118,7 +131,8 @@ def load(entry: Entry, base: io.Checkpoint, experts: Sequence[io.Checkpoint], me
             gates.append(method.gate(entry.name, b_raw, e_raw, torch.empty(m, dtype=torch.bool)))
         taus.append(e_raw.float().sub_(base32))
     group = Group(entry.name, (m,), base32, taus, gates, zeros=numel - m)
-    return Loaded(group, idx, base_raw.view(dtype))
+    neg = np.concatenate(neg_parts) if neg_parts else np.zeros(0, np.int64)
+    return Loaded(group, idx, base_raw.view(dtype), neg)
 
 
 def zero_delta(method: Method, name: str) -> float:
@@ -133,17 +147,19 @@ def zero_delta(method: Method, name: str) -> float:
 
 def output(entry: Entry, loaded: Loaded, parts: Parts, z: float, snap: bool,
            out: torch.Tensor, stats: Stats) -> torch.Tensor:  # fmt: skip
-    """The whole output tensor (flat, in `out`): the base's values, -0 made +0 when z is +0,
-    with theta_0 + delta of the merged entries scattered in; counts go to `stats`."""
+    """The whole output tensor (flat, in `out`, which may be `loaded.base_raw` itself): the
+    base's values, -0 made +0 when z is +0, with theta_0 + delta of the merged entries
+    scattered in; counts go to `stats`."""
     import torch
 
-    out.copy_(loaded.base_raw)
+    if out.data_ptr() != loaded.base_raw.data_ptr():
+        out.copy_(loaded.base_raw)
     size = out.element_size()
     if math.copysign(1.0, z) > 0:
         ints = out.view(torch.int16 if size == 2 else torch.int32).numpy().view(BITS[size])
-        neg = ints == SIGN[size]
-        if neg.any():
-            ints[neg] = 0
+        # the dense path writes cast(theta_0 + 0.0): +0 exactly where theta_0 is -0 (a tiny
+        # negative theta_0 that the cast rounds to -0 stays -0)
+        ints[loaded.neg] = 0
     g = loaded.group
     pieces = list(merged_pieces(stats, entry.out_dtype, g.base32, parts, snap, 1 << 62))
     if pieces:

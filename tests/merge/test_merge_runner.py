@@ -323,3 +323,37 @@ def test_recipe_evaluator_reads_the_eval_summary(tmp_path):
     )
     with pytest.raises(MergeError, match="exited 1: boom"):
         failing(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("out", ["auto", "float32", "bfloat16"])
+def test_sparse_path_matches_dense_on_negative_zeros(ckpt, tmp_path, dtype, out):
+    """The sparse loader finds the base's -0 entries chunk by chunk and builds a same-dtype
+    output in the base's own buffer: the bytes stay those of the dense path (the safetensors
+    reader), also when a cast to a narrower dtype makes new -0 entries."""
+    gen = torch.Generator().manual_seed(2)
+    dt = getattr(torch, dtype)
+    b = {f"w{i}": (torch.randn(300, 7, generator=gen) * 0.02).to(dt) for i in range(5)}
+    for v in b.values():
+        flat = v.view(-1)
+        flat[torch.randint(0, flat.numel(), (40,), generator=gen)] = -0.0
+        flat[:3] = -1e-42  # an fp32 denormal: rounds to -0 in bf16
+    e = []
+    for _ in range(2):
+        moved = {}
+        for n, v in b.items():
+            x = v.clone().view(-1)
+            pos = torch.randint(0, x.numel(), (x.numel() // 10,), generator=gen)
+            x[pos] = (x[pos].float() + 0.01).to(dt)
+            moved[n] = x.view(v.shape)
+        e.append(moved)
+    base = ckpt("base", b)
+    experts = [ckpt("e0", e[0]), ckpt("e1", e[1])]
+    for cfg in (R.TaskArithmetic(), R.Ram()):
+        a, d = tmp_path / f"a-{type(cfg).__name__}", tmp_path / f"d-{type(cfg).__name__}"
+        merge(base, experts, cfg, a, out)
+        merge(base, experts, cfg, d, out, run=R.Run(progress=False, reader="safetensors"))
+        files = sorted(f.name for f in a.glob("*.safetensors"))
+        assert files and files == sorted(f.name for f in d.glob("*.safetensors"))
+        for f in files:
+            assert (a / f).read_bytes() == (d / f).read_bytes(), (cfg, f)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,10 +80,13 @@ class Packet:
     data: FullPacket | DeltaPacket
     layout: Layout
     nbytes: int  # bytes a replica fetches for this version
+    pack_s: float = 0.0  # wall and CPU seconds the sender took to pack it (diff, checksums)
+    pack_cpu_s: float = 0.0
 
     def meta(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "version": self.data.version,
-                               "nbytes": self.nbytes}
+                               "nbytes": self.nbytes, "pack_s": self.pack_s,
+                               "pack_cpu_s": self.pack_cpu_s}
         if isinstance(self.data, DeltaPacket):
             out["base"] = self.data.base
         else:
@@ -173,15 +177,18 @@ class WeightPacker:
     def pack(self, version: int, state: Mapping[str, torch.Tensor]) -> Packet:
         if version <= self.version:
             raise ValueError(f"weight version {version} is not after {self.version}")
+        t0, c0 = time.perf_counter(), time.process_time()
         state = _cast(state, self.dtype)
         layout = build_layout(state, self.bucket_mb)
         arrays = [raw(v.cpu()) for v in state.values()]
         same = self.layout is not None and self.layout.entries == layout.entries
+        packet = None
         if self.delta and same and self.prev is not None:
             packet = self._delta(version, layout, arrays)
-            if packet is not None:
-                return packet
-        return self._full(version, layout, arrays)
+        if packet is None:
+            packet = self._full(version, layout, arrays)
+        packet.pack_s, packet.pack_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        return packet
 
     def _full(self, version: int, layout: Layout, arrays: list[np.ndarray]) -> Packet:
         if self.delta:  # keep this version's bits to diff the next one against
@@ -247,14 +254,17 @@ def put_packet(packet: Packet, publisher: Any = None) -> dict[str, Any]:
     out-of-band, back to back); returns the publisher's metadata with the ref wrapped in a
     list so Ray passes it on unresolved. With `publisher` (the WeightPublisher handle) the
     sender announces the version itself, one hop less than through the driver, and returns
-    the metadata without the ref and with "published"."""
+    the metadata without the ref and with "published" and the seconds the put took (put_s,
+    put_cpu_s: this process's CPU, the object store write)."""
     import ray
 
+    t0, c0 = time.perf_counter(), time.process_time()
     meta = {**packet.meta(), "ref": [ray.put(packet.data)]}
+    timing = {"put_s": time.perf_counter() - t0, "put_cpu_s": time.process_time() - c0}
     if publisher is None:
         return meta
     ok = bool(ray.get(publisher.publish_packed.remote(packet.data.version, meta)))
-    return {**{k: v for k, v in meta.items() if k != "ref"}, "published": ok}
+    return {**{k: v for k, v in meta.items() if k != "ref"}, "published": ok, **timing}
 
 
 # ----------------------------------------------------------------------------- replica side
@@ -313,6 +323,8 @@ class PackedUpdate:
     deltas: list[DeltaPacket]
     fetch_full: Any = None  # () -> (FullPacket, [DeltaPacket]) of the whole chain
     fell_back: bool = False
+    apply_s: float = 0.0  # wall and CPU (this thread) seconds of the last apply_to
+    apply_cpu_s: float = 0.0
 
     def detail(self) -> dict[str, Any]:
         """What this replica fetched for the version (reported to the publisher)."""
@@ -320,11 +332,13 @@ class PackedUpdate:
             p.nbytes + v.nbytes for d in self.deltas for p, v in zip(d.positions, d.values,
                                                                      strict=True))
         return {"full": self.full is not None, "deltas": len(self.deltas), "bytes": moved,
-                "fell_back": self.fell_back}
+                "fell_back": self.fell_back, "apply_s": self.apply_s,
+                "apply_cpu_s": self.apply_cpu_s}
 
     def apply_to(self, model: Any) -> None:
         """Load into `model`'s parameters in place (call between batches, under the engine's
         lock); raises rather than leave a mismatched version behind when it cannot recover."""
+        t0, c0 = time.perf_counter(), time.thread_time()
         params = _params(model, self.layout)
         with torch.no_grad():
             bad = self._apply(params, self.full, self.deltas)
@@ -334,6 +348,7 @@ class PackedUpdate:
                 full, deltas = self.fetch_full()
                 self.fell_back = True
                 bad = self._apply(params, full, deltas)
+        self.apply_s, self.apply_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         if bad:
             raise ChecksumMismatch(f"weight version {self.version}: buckets {bad[:5]} differ "
                                    "from the sender's checksums")

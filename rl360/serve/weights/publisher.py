@@ -126,7 +126,8 @@ class WeightPublisher:
     async def report_applied(self, replica: str, version: int,
                              detail: dict[str, Any] | None = None) -> None:
         """`detail`: what the replica fetched for a packed version (full?, deltas, bytes,
-        fell_back), kept per replica for status() and benches."""
+        fell_back) and where its time went (fetch_s, update_s, apply_s, apply_cpu_s), kept
+        per replica for status() and benches."""
         self.applied[replica] = (version, time.time() - self.published_at)
         if detail is not None:
             self.details[replica] = {"version": version, **detail}
@@ -180,6 +181,7 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         if version <= have or not payload:
             continue
         update = None
+        t0 = time.perf_counter()
         if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store
             update = await fetch_update(payload, have, can_load_in_place(backend))
             state = update if can_load_in_place(backend) else update.state_dict()
@@ -194,13 +196,17 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
             state = await aio.to_thread(group.receive, payload["spec"])
         else:
             state = await payload[0]
+        t1 = time.perf_counter()
         if await backend.update_weights(version, state):
             have = version
             if isinstance(payload, dict) and payload.get("checksum"):
 
                 sums = await engine_checksums(backend, payload, state)
                 await publisher.report_checksums.remote(replica, version, sums)
-            detail = update.detail() if update is not None else None
+            detail = update.detail() if update is not None else {}
+            # where this replica's share of the sync went: fetching / receiving the version,
+            # then queueing for and running the engine's load (apply_s, apply_cpu_s inside)
+            detail |= {"fetch_s": t1 - t0, "update_s": time.perf_counter() - t1}
             await publisher.report_applied.remote(replica, version, detail)
         else:
             have = max(have, backend.version)

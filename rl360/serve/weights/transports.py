@@ -138,7 +138,7 @@ class ObjectStoreTransport:
         o = options or ObjectStoreSync()
         self.packer = {"delta": o.delta and inplace, "max_delta_fraction": o.delta_max_fraction,
                        "bucket_mb": o.bucket_mb, "dtype": dtype}
-        self.last: dict[str, Any] = {}  # the last version's kind and bytes per replica
+        self.last: dict[str, Any] = {}  # the last version's kind, bytes per replica, timings
 
     def publish(self, version: int) -> bool:
         import ray
@@ -146,7 +146,8 @@ class ObjectStoreTransport:
         # the sender puts the version and announces it to the publisher itself
         meta = ray.get(self.sender.pack_weights.remote(version, self.packer,
                                                        self.serving.publisher))
-        self.last = {k: v for k, v in meta.items() if k in ("kind", "version", "nbytes")}
+        # kind, version, bytes per replica, and the sender's timings (pack_s, put_s, ...)
+        self.last = {k: v for k, v in meta.items() if k not in ("layout", "published")}
         return bool(meta["published"])
 
 

@@ -45,6 +45,10 @@ def test_object_store_full_then_delta_versions(ray_cluster, tiny_dir: Path) -> N
                 moved.append(fetched["bytes"])
                 assert fetched["version"] == version and not fetched["fell_back"]
                 assert fetched["full"] == (transport.last["kind"] == "full")
+                # where the version's time went, on the sender and on the replica
+                assert all(transport.last[k] >= 0 for k in ("pack_s", "put_s", "put_cpu_s"))
+                assert fetched["apply_s"] > 0 and fetched["apply_cpu_s"] >= 0
+                assert fetched["fetch_s"] >= 0 and fetched["update_s"] >= fetched["apply_s"]
             assert kinds == ["full", "delta", "delta"]  # 2: nothing changed; 3: a bf16 step
             assert moved[1] == 0 and 0 < moved[2] < 0.25 * moved[0]
             # versions only move forward: a delta that does not apply to the newest is refused
