@@ -204,8 +204,9 @@ def main() -> None:
                     through_server(args, h.base_url, args.sessions))
                 s_cpu.append(s_tok / cpu_used(c0, cpu_seconds(tree=True)))
                 s_runs.append(s_tok / s_s)
-                print(f"  run: direct {d_tok} tokens in {d_s:.2f}s, server {s_tok} tokens in "
-                      f"{s_s:.2f}s", flush=True)
+                print(f"  run: direct {d_tok} tokens in {d_s:.2f}s ({d_cpu[-1]:.0f} tok/cpu-s), "
+                      f"server {s_tok} tokens in {s_s:.2f}s ({s_cpu[-1]:.0f} tok/cpu-s); load "
+                      f"{open('/proc/loadavg').read().split()[:3]}", flush=True)
         finally:
             stop_serving(h)
     load = open("/proc/loadavg").read().split()[:3]
