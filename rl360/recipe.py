@@ -98,6 +98,12 @@ class ServeSection(_S):
     # which leaves of a session's token forest become training samples: every leaf, the
     # one with the most tokens, or the latest
     picker: Literal["all", "longest", "last"] = "all"
+    # what a turn's template delta is rendered after (TITO case 2): "turn" = the leading
+    # system message and the previous turn only (cost of the new turn alone; falls back to
+    # "conversation" when the template refuses it or the guard fails), "conversation" = the
+    # whole stored conversation (O(conversation) a turn; for templates whose render of a
+    # message depends on its absolute position)
+    delta_context: Literal["turn", "conversation"] = "turn"
     # a session's forest stops growing here (a clear 409 names the key): nodes are
     # generations (n>1 counts n), tokens count shared prefixes once
     max_session_nodes: Annotated[int, Meta(ge=1, le=1_000_000)] = 1024

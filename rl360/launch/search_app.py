@@ -50,7 +50,7 @@ def start_search(recipe: Recipe, placement: Placement | None = None,
     from ray import serve
 
     from rl360.launch.roles import LocalPlacement
-    from rl360.launch.serve_app import _wait_running
+    from rl360.launch.serve_app import SAME_LOOP_ENV, _wait_running, with_env
     from rl360.serve.search.deployment import SearchDeployment
 
     placement = placement or LocalPlacement(recipe)
@@ -60,7 +60,7 @@ def start_search(recipe: Recipe, placement: Placement | None = None,
         name="search",
         num_replicas=s.replicas,
         max_ongoing_requests=s.max_ongoing_requests,
-        ray_actor_options=placement.service_options(s.num_cpus),
+        ray_actor_options=with_env(placement.service_options(s.num_cpus), SAME_LOOP_ENV),
         logging_config={"enable_access_log": False},
     ).bind(str(Path(s.index).resolve()), max_batch_size=s.max_batch_size,
            batch_wait_ms=s.batch_wait_ms, default_k=s.default_k, max_k=s.max_k,

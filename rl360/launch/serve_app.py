@@ -26,6 +26,22 @@ if TYPE_CHECKING:
     from rl360.launch.roles import Placement
 
 
+# Serve runs a replica's user code and a handle's router on event loops of their own threads
+# by default; every request then crosses threads twice per hop. The session server, the engine
+# replicas and the shards (whose handle reaches the engines) do little Python work per request
+# and never block their loop, so they run both on the process's one loop.
+SAME_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                 "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+def with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """`options` (Ray actor options) with `env` added to its runtime_env's env_vars (Ray
+    merges env_vars with the job's own runtime env)."""
+    renv = dict(options.get("runtime_env") or {})
+    renv["env_vars"] = {**(renv.get("env_vars") or {}), **env}
+    return {**options, "runtime_env": renv}
+
+
 @dataclass
 class ServingHandles:
     app_name: str
@@ -84,16 +100,19 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     for name in names:
         shards.append(
             shard_cls.options(name=name, namespace=ns, get_if_exists=True,
-                              max_concurrency=1000, **service)
+                              max_concurrency=1000, **with_env(service, SAME_LOOP_ENV))
             .remote(recipe.model, s, recipe.run.name, ServeEngineClient(s.app_name))
         )
     ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
     serve.start(http_options={"host": s.host, "port": s.port}, proxy_location=s.proxy_location)
+    engine_opts = placement.engine_deployment_options()  # num_replicas, ray_actor_options, ...
+    engine_opts["ray_actor_options"] = with_env(engine_opts.get("ray_actor_options") or {},
+                                                SAME_LOOP_ENV)
     engine = serve.deployment(
         EngineReplica,
         name="engine",
         max_ongoing_requests=e.max_ongoing_requests,
-        **placement.engine_deployment_options(),  # num_replicas, ray_actor_options, ...
+        **engine_opts,
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=5,
         logging_config={"enable_access_log": False},  # one line per token call is noise
@@ -103,7 +122,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         name="session-server",
         num_replicas=s.server_replicas,
         max_ongoing_requests=1000,
-        ray_actor_options=service,
+        ray_actor_options=with_env(service, SAME_LOOP_ENV),
         logging_config={"enable_access_log": False},
     ).bind(names, ns, recipe.run.name, s, engine)
     t0 = time.monotonic()

@@ -49,6 +49,9 @@ class Searcher(Protocol):
     def search(self, queries: Sequence[str], k: int, mode: Mode = "bm25") -> list[list[Hit]]: ...
 
 
+_SNIPPET_CACHE = 200_000  # snippets kept (~300 characters each)
+
+
 def _stopwords() -> frozenset[str]:
     from bm25s.stopwords import STOPWORDS_EN
 
@@ -74,7 +77,11 @@ def snippet(text: str, terms: Sequence[str], chars: int,
     if len(text) <= chars:
         return text
     positions = positions if positions is not None else first_positions(text)
-    pos = min((positions[t] for t in terms if t in positions), default=0)
+    return snippet_at(text, min([positions[t] for t in terms if t in positions], default=0), chars)
+
+
+def snippet_at(text: str, pos: int, chars: int) -> str:
+    """`chars` characters of `text` around character `pos`, cut at a word boundary."""
     start = max(0, min(pos - chars // 4, len(text) - chars))
     if start > 0:
         space = text.find(" ", start, start + 40)
@@ -139,6 +146,9 @@ class SearchIndex:
         self.stop = _stopwords()
         # per chunk, where each word first occurs (for snippets; filled as chunks are hit)
         self._positions: list[dict[str, int] | None] = [None] * len(chunks)
+        # snippets by (chunk, position of the first query word in it): a snippet depends on
+        # nothing else, and popular chunks are hit by many queries (cleared when it grows)
+        self._snippets: dict[tuple[int, int], str] = {}
 
     @classmethod
     def load(cls, root: str | os.PathLike[str], snippet_chars: int = 300,
@@ -217,12 +227,20 @@ class SearchIndex:
 
     def _hit(self, d: int, score: float, terms: list[str]) -> Hit:
         c = self.chunks[d]
-        pos = self._positions[d]
-        if pos is None and len(c.text) > self.snippet_chars:
-            pos = self._positions[d] = first_positions(c.text)
-        return Hit(id=c.id, doc_id=c.doc_id, title=c.title,
-                   snippet=snippet(c.text, terms, self.snippet_chars, pos),
-                   score=round(score, 6))
+        text = c.text
+        if len(text) <= self.snippet_chars:
+            snip = text
+        else:
+            pos = self._positions[d]
+            if pos is None:
+                pos = self._positions[d] = first_positions(text)
+            key = (d, min([pos[t] for t in terms if t in pos], default=0))
+            snip = self._snippets.get(key)  # type: ignore[assignment]
+            if snip is None:
+                if len(self._snippets) >= _SNIPPET_CACHE:
+                    self._snippets.clear()
+                snip = self._snippets[key] = snippet_at(text, key[1], self.snippet_chars)
+        return Hit(id=c.id, doc_id=c.doc_id, title=c.title, snippet=snip, score=round(score, 6))
 
 
 def as_float32(x: Any) -> np.ndarray:

@@ -45,6 +45,7 @@ from rl360.serve.sessions.picker import pick
 from rl360.types import Generation, Message, Sample, ToolSpec, Trajectory
 
 TRUNCATED_MODES = ("continue", "reject")
+DELTA_CONTEXTS = ("turn", "conversation")
 
 
 class LedgerError(Exception):
@@ -126,11 +127,16 @@ class SessionLedger:
         truncated: str = "continue",
         max_nodes: int = 1024,
         max_tokens: int = 1 << 20,
+        delta_context: str = "turn",
     ) -> None:
         if matcher not in MATCHERS:
             raise ValueError(f"unknown message matcher {matcher!r}; known: {sorted(MATCHERS)}")
         if truncated not in TRUNCATED_MODES:
             raise ValueError(f"serve.truncated must be one of {TRUNCATED_MODES}, not {truncated!r}")
+        if delta_context not in DELTA_CONTEXTS:
+            raise ValueError(f"serve.delta_context must be one of {DELTA_CONTEXTS}, not "
+                             f"{delta_context!r}")
+        self.delta_context = delta_context
         self.session_id = session_id
         self.renderer = renderer
         self._same = MATCHERS[matcher]
@@ -169,8 +175,25 @@ class SessionLedger:
             p.messages += n.messages
         return p
 
+    def _chain(self, nid: int) -> list[Node]:
+        chain: list[Node] = []
+        cur: int | None = nid
+        while cur is not None:
+            chain.append(self.nodes[cur])
+            cur = self.nodes[cur].parent
+        return chain[::-1]
+
     def path_tokens(self, nid: int) -> list[int]:
-        return self.path(nid).tokens
+        """A node's snapshot tokens alone (what the engine is sent)."""
+        out: list[int] = []
+        for n in self._chain(nid):
+            for ids, _ in n.segments:
+                out += ids
+            out += n.gen_ids
+        return out
+
+    def path_messages(self, nid: int) -> list[Message]:
+        return [m for n in self._chain(nid) for m in n.messages]
 
     def leaves(self) -> list[int]:
         return [n.id for n in self.nodes if not n.children]
@@ -245,11 +268,46 @@ class SessionLedger:
         return PreparedTurn(parent=None, segments=[(ids, "prompt")], prompt_ids=list(ids),
                             new_messages=list(messages), tools=tools, tools_key=tkey)
 
+    def _context(self, node: Node) -> list[Message]:
+        """The synthetic context a delta is rendered in (TITO case 2): the conversation's
+        leading system message, then `node`'s own messages (the request's new messages and its
+        reply). Its size does not grow with the episode, so an append costs the new turn only."""
+        if node.parent is None:
+            return list(node.messages)
+        root = node
+        while root.parent is not None:
+            root = self.nodes[root.parent]
+        first = root.messages[0] if root.messages else None
+        head = [first] if first is not None and first.role == "system" else []
+        return [*head, *node.messages]
+
     def _prepare_append(self, node: Node, new: list[Message]) -> PreparedTurn:
-        r = self.renderer
-        path = self.path(node.id)
         counters: Counter[str] = Counter()
-        prefix = self._render(path.messages, node.tools, add_generation_prompt=False)
+        segments: list[Segment] | None = None
+        if self.delta_context == "turn":
+            try:
+                segments = self._delta(self._context(node), node, new, counters)
+            except (GuardFailed, LedgerError):
+                # the template refuses the short context or renders it differently: render
+                # in the whole conversation's context (O(conversation); counted)
+                counters = Counter({"delta_full_context": 1})
+        if segments is None:
+            segments = self._delta(self.path_messages(node.id), node, new, counters, full=True)
+        prompt = self.path_tokens(node.id)
+        for ids, _ in segments:
+            prompt += ids
+        return PreparedTurn(parent=node.id, segments=segments, prompt_ids=prompt,
+                            new_messages=list(new), tools=node.tools, tools_key=node.tools_key,
+                            counters=counters)
+
+    def _delta(self, context: list[Message], node: Node, new: list[Message],
+               counters: Counter[str], full: bool = False) -> list[Segment]:
+        """The junction and template delta that follow `node` for the `new` messages, rendered
+        after `context` (whose render ends the way the stored path ends) and sliced at token
+        level behind the prefix guard. Raises GuardFailed (or LedgerError for a template that
+        rejects the context) when not `full` so the caller can retry in the full context."""
+        r = self.renderer
+        prefix = self._render(context, node.tools, add_generation_prompt=False)
         segments: list[Segment] = []
         # junction: what the template renders after the last end-of-turn, which the engine
         # never emits (e.g. the "\n" after <|im_end|>); TITO case 3
@@ -267,26 +325,28 @@ class SessionLedger:
             segments.append((junction, "junction"))
         # the new messages, one group at a time (consecutive tool results form one group)
         done = prefix
-        sofar = list(path.messages)
+        sofar = list(context)
         try:
             for g in group_messages(new):
                 sofar += g
-                full = self._render(sofar, node.tools, add_generation_prompt=False)
-                guard(done, full)
+                rendered = self._render(sofar, node.tools, add_generation_prompt=False)
+                guard(done, rendered)
                 prov = "client_assistant" if g[0].role == "assistant" else "delta"
-                segments.append((full[len(done) :], prov))
-                done = full
-            full = self._render(sofar, node.tools, add_generation_prompt=True)
-            guard(done, full)
-            segments.append((full[len(done) :], "delta"))
+                segments.append((rendered[len(done) :], prov))
+                done = rendered
+            rendered = self._render(sofar, node.tools, add_generation_prompt=True)
+            guard(done, rendered)
+            segments.append((rendered[len(done) :], "delta"))
         except GuardFailed:
             # a template whose per-group renders are not prefixes of each other: render the
-            # whole suffix in one call (still guarded against the stored prefix)
+            # whole suffix in one call (still guarded against the context's prefix)
             counters["delta_regrouped"] += 1
-            full = self._render(path.messages + new, node.tools, add_generation_prompt=True)
+            rendered = self._render(context + new, node.tools, add_generation_prompt=True)
             try:
-                guard(prefix, full)
+                guard(prefix, rendered)
             except GuardFailed as exc:
+                if not full:
+                    raise
                 self.counters["delta_guard_failed"] += 1
                 raise LedgerError(
                     422,
@@ -295,14 +355,8 @@ class SessionLedger:
                     f"({exc}); this model's template cannot be used for multi-turn sessions",
                 ) from None
             segments = [s for s in segments if s[1] == "junction"]
-            segments.append((full[len(prefix) :], "delta"))
-        segments = [s for s in segments if s[0]]
-        prompt = list(path.tokens)
-        for ids, _ in segments:
-            prompt += ids
-        return PreparedTurn(parent=node.id, segments=segments, prompt_ids=prompt,
-                            new_messages=list(new), tools=node.tools, tools_key=node.tools_key,
-                            counters=counters)
+            segments.append((rendered[len(prefix) :], "delta"))
+        return [s for s in segments if s[0]]
 
     def _render(
         self, messages: list[Message], tools: list[ToolSpec] | None, add_generation_prompt: bool

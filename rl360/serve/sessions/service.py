@@ -115,7 +115,7 @@ class SessionService:
     def _ledger(self, sid: str, matcher: str | None = None) -> SessionLedger:
         c = self.config
         return SessionLedger(sid, self.renderer, matcher or c.matcher, c.truncated,
-                             c.max_session_nodes, c.max_session_tokens)
+                             c.max_session_nodes, c.max_session_tokens, c.delta_context)
 
     def _get(self, sid: str, token: str | None) -> _Session:
         s = self.sessions.get(sid)
