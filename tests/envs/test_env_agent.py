@@ -112,6 +112,20 @@ async def test_final_answer_ends_episode():
     assert set(res.timings) >= {"setup_s", "rollout_s", "verify_s", "total_s"}
 
 
+async def test_episode_times_its_phases_and_sums_the_servers():
+    """The per-phase timers the step breakdown reads: sandbox start, chat and tool time, and
+    the server-side shares a chat turn reports (summed over turns)."""
+    turn = ChatTurn(message=Message(role="assistant", content="42"),
+                    timings={"server_engine_s": 0.25, "server_render_s": 0.5})
+    tools_turn = ChatTurn(message=tools_msg("ok"), finish_reason="tool_calls",
+                          timings={"server_engine_s": 1.0})
+    res, _, _ = await episode([tools_turn, turn])
+    assert res.status == "ok" and res.turns == 2
+    assert res.timings["server_engine_s"] == 1.25 and res.timings["server_render_s"] == 0.5
+    assert {"sandbox_start_s", "chat_s", "tools_s"} <= set(res.timings)
+    assert res.timings["chat_s"] <= res.timings["rollout_s"]
+
+
 async def test_tool_calls_then_answer():
     res, client, env = await episode([tools_msg("ok", "ok"), answer("42")])
     assert res.status == "ok" and res.reward.value == 1.0 and env.steps == ["ok", "ok"]
