@@ -183,13 +183,11 @@ async def run_episode(
     t1 = time.monotonic()
     key = env.verify_key() if verify_cache is not None else None
     try:
-        if key is not None and verify_cache is not None and key in verify_cache:
-            reward = verify_cache[key]
-            counters["verify_cached"] = 1
-        else:
+        reward, shared = await _shared_verify(env, verify_cache, key, verify_limit + 5.0)
+        if reward is None:
             reward = await asyncio.wait_for(env.verify(), verify_limit + 5.0)
-            if key is not None and verify_cache is not None:
-                verify_cache[key] = reward
+        elif shared:
+            counters["verify_cached"] = 1
     except asyncio.CancelledError:
         raise
     except TimeoutError:
@@ -201,6 +199,35 @@ async def run_episode(
         return done("infra_error", f"verifier failed: {_why(e)}")
     timings["verify_s"] = time.monotonic() - t1
     return done(status, reason, reward)
+
+
+async def _shared_verify(env: Env, cache: MutableMapping[str, Any] | None, key: str | None,
+                         limit: float) -> tuple[Reward | None, bool]:
+    """(reward, shared): the reward of an identical submission (same `verify_key`: same task,
+    same final answer text, same malformed-call count) graded before or being graded right
+    now (shared), else this episode's own grading as the first with its key, else (None,
+    False): the caller grades. Concurrent episodes with one key await the first one's
+    sandboxed run; if that fails or is cancelled they get None and grade on their own."""
+    if key is None or cache is None:
+        return None, False
+    if key in cache:
+        hit = cache[key]
+        if isinstance(hit, Reward):
+            return hit, True
+        shared = await asyncio.shield(hit)  # another episode's grading of the same submission
+        return shared, shared is not None
+    fut: asyncio.Future[Reward | None] = asyncio.get_running_loop().create_future()
+    cache[key] = fut
+    reward: Reward | None = None
+    try:
+        reward = await asyncio.wait_for(env.verify(), limit)
+        return reward, False
+    finally:
+        fut.set_result(reward)  # None: the waiters grade themselves
+        if reward is not None:
+            cache[key] = reward
+        elif cache.get(key) is fut:
+            del cache[key]
 
 
 # ----------------------------------------------------------------------------- agent functions
