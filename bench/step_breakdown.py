@@ -284,8 +284,11 @@ def main() -> int:
         print(f"  {k:<22} {v:7.3f}")
 
     cpu = cpu_by_role(snap0, snap1)
-    cores = float(next((kv.split("=", 1)[1] for kv in args.set if kv.startswith("ray.num_cpus=")),
-                       2))
+    try:  # the CPUs the run asked Ray for (the resolved recipe it wrote)
+        ray_cfg = json.loads((out_dir / "bench" / "recipe.json").read_text())["ray"]
+        cores = float(ray_cfg.get("num_cpus") or os.cpu_count() or 1)
+    except (OSError, ValueError, KeyError, TypeError):
+        cores = float(os.cpu_count() or 1)
     total = sum(cpu.values())
     idle = max(0.0, cores * wall - total)
     print(f"\nCPU seconds per step by role ({cores:g} cores x {wall / n:.2f} s = "
