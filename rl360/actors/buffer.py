@@ -33,6 +33,7 @@ from rl360.actors.reward_stats import (
     group_metrics,
     group_outcome,
     masked_metrics,
+    timing_metrics,
 )
 from rl360.policies.advantages import build_advantage
 from rl360.recipe import TrainSection
@@ -313,6 +314,7 @@ class TrajectoryBuffer:
         out.update({k: v for k, v in em.items() if "/" in k or k in ("infra_rate", "tokens")})
         out.update(group_metrics(self._recent_outcomes, self._recent_filtered[0]))
         out.update(masked_metrics(self._recent_records, self._recent_filtered[1]))
+        out.update(timing_metrics(self._recent_records))
         self._recent_rewards, self._recent_pass, self._recent_tokens = [], [], 0
         self._recent_records, self._recent_outcomes, self._recent_filtered = [], [], [0, 0]
         return out

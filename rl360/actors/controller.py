@@ -211,8 +211,10 @@ class RolloutController:
             gid = f"g{self.seq:07d}-{task.id}"
             self.seq += 1
             records, refs, actors = [], [], []
+            # a group on one env actor: its members' identical answers are graded once there
+            # (envs/agent.py: concurrent identical submissions share one sandboxed run)
+            a = self._next_actor()
             for _ in range(self.cfg.group_size):
-                a = self._next_actor()
                 record, data = self.env_actors[a].rollout.remote(task, gid, self.sampling)
                 records.append(record)
                 refs.append(data)

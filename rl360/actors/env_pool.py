@@ -102,6 +102,7 @@ class EnvActor:
             shard = self.sessions.shard(sid)
             try:
                 opened = await shard.open.remote({"task_id": task.id, "group_id": group_id}, None, sid)
+                open_s = time.monotonic() - t0
             except Exception as exc:
                 return _infra(task, group_id, f"session server unreachable: {exc!r}", t0)
             if not isinstance(opened, dict):
@@ -131,18 +132,24 @@ class EnvActor:
                 await asyncio.shield(_safe_close(shard, sid, token))
                 raise
             finally:
+                t_clean = time.monotonic()
                 if sandbox is not None:
                     await _quietly(sandbox.close())
                 if env is not None:
                     await _quietly(env.close())
+                cleanup_s = time.monotonic() - t_clean
+            t_close = time.monotonic()
             closed = await shard.close.remote(sid, token, False)  # the picked samples
+            close_s = time.monotonic() - t_close
             if not isinstance(closed, dict):
                 return _infra(task, group_id, f"could not read the session ledger: {closed}", t0)
             traj = msgspec.convert(closed, Trajectory)
             traj.reward = result.reward
             traj.status = result.status
             traj.error = None if result.status == "ok" else result.reason
-            traj.timings = {**result.timings, "episode_s": time.monotonic() - t0}
+            traj.timings = {**result.timings, "open_s": open_s, "close_s": close_s,
+                            "cleanup_s": cleanup_s,
+                            "episode_s": time.monotonic() - t0}
             traj.counters = {**traj.counters, **result.counters}
             traj.task_id, traj.group_id = task.id, group_id
             traj.domain = task_domain(task)

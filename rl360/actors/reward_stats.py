@@ -145,3 +145,17 @@ def first_values(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
                     and isinstance(v, int | float) and not math.isnan(v)):
                 first.setdefault(k, float(v))
     return first
+
+
+def timing_metrics(records: Iterable[EpisodeRecord]) -> dict[str, float]:
+    """`time/episode/<phase>`: the mean seconds per episode of each phase the env actor timed
+    (open, sandbox start, chat, the server's render / engine / commit share of it, tools,
+    verify, cleanup, close, the whole episode), over the episodes that timed it."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for r in records:
+        for k, v in r.timings.items():
+            if isinstance(v, int | float) and math.isfinite(v):
+                sums[k] += float(v)
+                counts[k] += 1
+    return {f"time/episode/{_key(k)}": sums[k] / counts[k] for k in sorted(sums)}

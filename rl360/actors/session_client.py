@@ -74,4 +74,6 @@ class ShardChatClient:
             message=Message(role="assistant", content=msg.get("content"), tool_calls=calls or None),
             finish_reason=choice["finish_reason"],
             malformed_tool_calls=int(out.get("rl360", {}).get("malformed_tool_calls", 0)),
+            timings={f"server_{k}": float(v)
+                     for k, v in out.get("rl360", {}).get("timings", {}).items()},
         )

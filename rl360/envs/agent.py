@@ -36,6 +36,7 @@ class ChatTurn(msgspec.Struct, omit_defaults=True):
     message: Message  # the assistant message (tool_calls parsed, when any)
     finish_reason: str = "stop"  # "stop" | "length" | "tool_calls" | "abort"
     malformed_tool_calls: int = 0  # tool calls in the reply that could not be parsed
+    timings: dict[str, float] = msgspec.field(default_factory=dict)  # server-side, summed
 
 
 class ChatClient(Protocol):
@@ -88,6 +89,7 @@ async def run_episode(
 
     try:
         await sandbox.start()
+        timings["sandbox_start_s"] = time.monotonic() - t0
         for name in sandbox.protections.missing():  # into the run's metrics, never silent
             counters[f"sandbox_missing_{name}"] = 1
         start = await asyncio.wait_for(env.setup(task, sandbox), cfg.call_timeout_s)
@@ -104,6 +106,7 @@ async def run_episode(
     status: EpisodeStatus = "truncated"
     reason = f"reached max_turns={cfg.max_turns}"
     consecutive = 0
+    timings["chat_s"] = timings["tools_s"] = 0.0
 
     for _ in range(cfg.max_turns):
         remaining = deadline - time.monotonic()
@@ -111,6 +114,7 @@ async def run_episode(
         if remaining <= 0:
             status, reason = "timeout", f"agent phase exceeded {budget:g}s"
             break
+        t_chat = time.monotonic()
         try:
             turn = await asyncio.wait_for(client.chat(list(messages), start.tools), limit)
         except asyncio.CancelledError:
@@ -123,6 +127,9 @@ async def run_episode(
         except Exception as e:
             return done("infra_error", f"chat client failed: {_why(e)}")
         turns += 1
+        timings["chat_s"] += time.monotonic() - t_chat
+        for k, v in turn.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
         msg = turn.message
         messages.append(msg)
         counters["malformed_tool_calls"] += turn.malformed_tool_calls
@@ -134,6 +141,7 @@ async def run_episode(
                 status, reason = "ok", "final answer"
             break
         timed_out = False
+        t_tools = time.monotonic()
         for call in msg.tool_calls:
             counters["tool_calls"] += 1
             try:
@@ -162,6 +170,7 @@ async def run_episode(
             else:
                 consecutive += 1
                 counters["tool_failures"] += 1
+        timings["tools_s"] += time.monotonic() - t_tools
         if timed_out:
             status, reason = "timeout", f"agent phase exceeded {budget:g}s"
             break
@@ -174,13 +183,11 @@ async def run_episode(
     t1 = time.monotonic()
     key = env.verify_key() if verify_cache is not None else None
     try:
-        if key is not None and verify_cache is not None and key in verify_cache:
-            reward = verify_cache[key]
-            counters["verify_cached"] = 1
-        else:
+        reward, shared = await _shared_verify(env, verify_cache, key, verify_limit + 5.0)
+        if reward is None:
             reward = await asyncio.wait_for(env.verify(), verify_limit + 5.0)
-            if key is not None and verify_cache is not None:
-                verify_cache[key] = reward
+        elif shared:
+            counters["verify_cached"] = 1
     except asyncio.CancelledError:
         raise
     except TimeoutError:
@@ -192,6 +199,35 @@ async def run_episode(
         return done("infra_error", f"verifier failed: {_why(e)}")
     timings["verify_s"] = time.monotonic() - t1
     return done(status, reason, reward)
+
+
+async def _shared_verify(env: Env, cache: MutableMapping[str, Any] | None, key: str | None,
+                         limit: float) -> tuple[Reward | None, bool]:
+    """(reward, shared): the reward of an identical submission (same `verify_key`: same task,
+    same final answer text, same malformed-call count) graded before or being graded right
+    now (shared), else this episode's own grading as the first with its key, else (None,
+    False): the caller grades. Concurrent episodes with one key await the first one's
+    sandboxed run; if that fails or is cancelled they get None and grade on their own."""
+    if key is None or cache is None:
+        return None, False
+    if key in cache:
+        hit = cache[key]
+        if isinstance(hit, Reward):
+            return hit, True
+        shared = await asyncio.shield(hit)  # another episode's grading of the same submission
+        return shared, shared is not None
+    fut: asyncio.Future[Reward | None] = asyncio.get_running_loop().create_future()
+    cache[key] = fut
+    reward: Reward | None = None
+    try:
+        reward = await asyncio.wait_for(env.verify(), limit)
+        return reward, False
+    finally:
+        fut.set_result(reward)  # None: the waiters grade themselves
+        if reward is not None:
+            cache[key] = reward
+        elif cache.get(key) is fut:
+            del cache[key]
 
 
 # ----------------------------------------------------------------------------- agent functions

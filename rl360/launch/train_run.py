@@ -229,6 +229,7 @@ class TrainRun:
             step_s = time.monotonic() - t0
             engines = wstat.get("engines", {})
             engine_idle = _engine_idle(engines, last_engine)
+            engine_busy = _engine_busy(engines, last_engine)
             last_engine = engines
             trained_tokens = batch.loss_tokens
             assert self.sink is not None
@@ -248,6 +249,11 @@ class TrainRun:
                 # seconds since this process started the run (Ray, Serve, actors, steps): the
                 # x axis of `rl360 plot --x time`; a --resume starts it again from 0
                 "elapsed_s": time.monotonic() - self.t_start,
+                # where the step's wall time went (the env actors' per-episode phases come
+                # from the buffer as time/episode/*; bench/step_breakdown.py adds CPU time)
+                "time/rollout_wait_s": t_wait, "time/train_s": t_train, "time/sync_s": sync_s,
+                "time/bookkeeping_s": step_s - t_wait - t_train - sync_s,
+                "time/engine_busy_s": engine_busy,
                 "samples": len(batch.members),
                 "is_ess_frac": m.get("is_ess_frac"), "sampler_kl": m.get("sampler_kl"),
                 "tis_capped_frac": m.get("tis_capped_frac"),
@@ -306,6 +312,13 @@ def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any
         if dt > 0:
             fracs.append(1.0 - min(1.0, (h["busy_s"] - b["busy_s"]) / dt))
     return sum(fracs) / len(fracs) if fracs else float("nan")
+
+
+def _engine_busy(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
+    """Seconds the engine replicas spent in model steps since the last step (mean per replica)."""
+    busy = [h["busy_s"] - before[rep]["busy_s"] for rep, h in now.items()
+            if rep in before and "busy_s" in h and "busy_s" in before[rep]]
+    return sum(busy) / len(busy) if busy else float("nan")
 
 
 def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, controller: Any,

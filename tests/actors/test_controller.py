@@ -306,3 +306,27 @@ def test_without_oversampling_filtered_groups_are_not_replaced(ray_cluster, task
         ray.get(pub.report_applied.remote("r0", version + 1))
     status = ray.get(ctl.stop.remote())
     assert status["count/groups_filtered"] >= 2
+
+
+def test_a_group_runs_on_one_env_actor_and_groups_alternate(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """All members of a group go to one env actor (so its identical answers are graded once
+    there) and the groups take turns over the actors."""
+    from rl360.actors.buffer import TrajectoryBuffer
+    from rl360.actors.controller import RolloutController
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    train = checked(TrainSection, tasks=[tasks_file], group_size=4, groups_per_batch=4,
+                    max_staleness=0, max_in_flight_groups=4)
+    envs = [ray.remote(FakeEnvActor).remote() for _ in range(2)]
+    buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
+    pub = ray.remote(WeightPublisher).remote()
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
+        train, 1, envs, buf, pub)
+    ray.get(ctl.start.remote())
+    assert ray.get(buf.next_batch.remote(0, 1, 60.0)) is not None
+    ray.get(ctl.stop.remote())
+    logs = [[g for g, _ in ray.get(e.log.remote())] for e in envs]
+    groups = [set(log) for log in logs]
+    assert not groups[0] & groups[1]  # no group split over the two actors
+    assert len(groups[0]) == len(groups[1]) == 2
+    assert all(log.count(g) == 4 for log in logs for g in set(log))

@@ -15,6 +15,7 @@ from rl360.actors.reward_stats import (
     group_outcome,
     masked_metrics,
     task_domain,
+    timing_metrics,
     with_deltas,
 )
 from rl360.envs.tasks import with_domain
@@ -117,3 +118,12 @@ async def test_buffer_stats_carry_domains_groups_and_masked() -> None:
     assert s["groups/zero_variance"] == 1 and s["groups/filtered"] == 1
     assert s["masked/filtered"] == 2 and s["masked/infra"] == 1
     assert (await buf.take_recent_stats())["groups/total"] == 0  # reset per step
+
+
+def test_timing_metrics_average_each_phase_over_the_episodes_that_timed_it():
+    a = rec(1.0)
+    a.timings = {"verify_s": 1.0, "chat_s": 2.0}
+    b = rec(0.0)
+    b.timings = {"verify_s": 3.0, "open_s": float("nan")}
+    out = timing_metrics([a, b, rec(0.5)])
+    assert out == {"time/episode/verify_s": 2.0, "time/episode/chat_s": 2.0}

@@ -98,10 +98,12 @@ def answer(text: str) -> Message:
     return Message(role="assistant", content=text)
 
 
-async def episode(script: Sequence[object], env: Env | None = None, **cfg: object):
+async def episode(script: Sequence[object], env: Env | None = None,
+                  verify_cache: dict[str, object] | None = None, **cfg: object):
     env = env or EchoEnv()
     client = ScriptedClient(script)
-    result = await run_episode(env, TASK, MemorySandbox(), client, EnvSection(**cfg))  # type: ignore[arg-type]
+    result = await run_episode(env, TASK, MemorySandbox(), client, EnvSection(**cfg),  # type: ignore[arg-type]
+                               verify_cache=verify_cache)  # type: ignore[arg-type]
     return result, client, env
 
 
@@ -110,6 +112,20 @@ async def test_final_answer_ends_episode():
     assert (res.status, res.turns, res.reward.value) == ("ok", 1, 1.0)
     assert res.messages[-1].content == "42" and len(client.calls) == 1
     assert set(res.timings) >= {"setup_s", "rollout_s", "verify_s", "total_s"}
+
+
+async def test_episode_times_its_phases_and_sums_the_servers():
+    """The per-phase timers the step breakdown reads: sandbox start, chat and tool time, and
+    the server-side shares a chat turn reports (summed over turns)."""
+    turn = ChatTurn(message=Message(role="assistant", content="42"),
+                    timings={"server_engine_s": 0.25, "server_render_s": 0.5})
+    tools_turn = ChatTurn(message=tools_msg("ok"), finish_reason="tool_calls",
+                          timings={"server_engine_s": 1.0})
+    res, _, _ = await episode([tools_turn, turn])
+    assert res.status == "ok" and res.turns == 2
+    assert res.timings["server_engine_s"] == 1.25 and res.timings["server_render_s"] == 0.5
+    assert {"sandbox_start_s", "chat_s", "tools_s"} <= set(res.timings)
+    assert res.timings["chat_s"] <= res.timings["rollout_s"]
 
 
 async def test_tool_calls_then_answer():
@@ -240,3 +256,51 @@ def test_agent_config_validation():
         checked(EnvSection, max_turns=0)
     with pytest.raises(ValueError, match="call_timeout_s"):
         checked(EnvSection, call_timeout_s=0)
+
+
+class CountingEnv(EchoEnv):
+    """EchoEnv with a verify key (the final answer) and a slow, counted verify."""
+
+    graded: list[str] = []
+
+    def __init__(self, verify_raises: bool = False) -> None:
+        super().__init__(verify_raises=verify_raises)
+
+    def verify_key(self) -> str | None:
+        return f"{TASK.id}:{self.final_answer}"
+
+    async def verify(self) -> Reward:
+        CountingEnv.graded.append(self.final_answer or "")
+        await asyncio.sleep(0.05)  # the others arrive while this grading runs
+        return await super().verify()
+
+
+async def test_identical_concurrent_answers_are_graded_once():
+    """A group's members often answer identically: one sandboxed grading serves every
+    concurrent episode with the same submission; a different answer is graded on its own."""
+    CountingEnv.graded = []
+    cache: dict[str, object] = {}
+    texts = ["42", "42", "41", "42"]
+    results = await asyncio.gather(*(
+        run_episode(CountingEnv(), TASK, MemorySandbox(), ScriptedClient([answer(t)]),
+                    EnvSection(), verify_cache=cache)  # type: ignore[arg-type]
+        for t in texts))
+    assert sorted(CountingEnv.graded) == ["41", "42"]
+    assert [r.reward.value for r in results] == [1.0, 1.0, 0.0, 1.0]
+    assert sum(r.counters.get("verify_cached", 0) for r in results) == 2
+    later, _, _ = await episode([answer("42")], env=CountingEnv(), verify_cache=cache)
+    assert later.reward.value == 1.0 and later.counters["verify_cached"] == 1
+    assert len(CountingEnv.graded) == 2
+
+
+async def test_a_failed_shared_grading_leaves_the_others_to_grade_alone():
+    CountingEnv.graded = []
+    cache: dict[str, object] = {}
+    failing = run_episode(CountingEnv(verify_raises=True), TASK, MemorySandbox(),
+                          ScriptedClient([answer("42")]), EnvSection(), verify_cache=cache)
+    fine = run_episode(CountingEnv(), TASK, MemorySandbox(), ScriptedClient([answer("42")]),
+                       EnvSection(), verify_cache=cache)
+    bad, good = await asyncio.gather(failing, fine)
+    assert bad.status == "infra_error" and good.status == "ok" and good.reward.value == 1.0
+    assert "verify_cached" not in good.counters and CountingEnv.graded == ["42", "42"]
+    assert not [v for v in cache.values() if not isinstance(v, Reward)]  # no future left

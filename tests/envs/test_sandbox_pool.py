@@ -71,3 +71,23 @@ async def test_episode_on_a_pooled_sandbox(bwrap_backend):
         await sb.close()
     finally:
         await pool.close()
+
+
+async def test_gradings_leave_no_process_behind(bwrap_backend):
+    """The grader's zygote and its children are gone when a grading ends, so the sweep finds
+    nothing and one warm sandbox serves every grading (a stray would retire it each time)."""
+    pool = GradingPool(size=1, max_uses=10)
+    try:
+        sb = _view(pool, bwrap_backend)
+        task = Task(id="t", prompt="p", data={"tests": ["assert f() == 3", "assert f() != 4",
+                                                       "assert f() > 0"]})
+        for answer in ("def f():\n    return 3", "def f():\n    return 4"):
+            res = await run_episode(CodeEnv(), task, sb, ScriptedClient(
+                [Message(role="assistant", content=answer)]))
+            assert res.status == "ok", res.reason
+        assert abs(res.reward.value - 1 / 3) < 1e-9  # only `f() > 0` holds for 4
+        assert pool.counts["gradings"] == 2 and pool.counts["stray_procs"] == 0
+        assert pool.counts["recycled"] == 0 and len(pool.slots["k"].idle) == 1
+        await sb.close()
+    finally:
+        await pool.close()

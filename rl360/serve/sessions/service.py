@@ -195,12 +195,15 @@ class SessionService:
             session = self._get(sid, token)
             ledger = session.ledger
         # the parent is captured here (TITO 17); rendering runs off the event loop
+        t0 = time.monotonic()
         prep = await self._off_loop(ledger.prepare, messages, req.tools)
+        t1 = time.monotonic()
         sampling = self._sampling(
             prep, req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
         )
         gens = await self._generate_n(prep.prompt_ids, sampling, sid, req.n)
+        t2 = time.monotonic()
         replies: list[tuple[Generation, Message]] = []
         malformed = 0
         for gen in gens:
@@ -238,6 +241,9 @@ class SessionService:
             "malformed_tool_calls": malformed,
             "stop_kind": first.stop_kind,
             "engine_replica": first.engine_replica,
+            # where this call's time went on the server (the step breakdown sums them)
+            "timings": {"render_s": t1 - t0, "engine_s": t2 - t1,
+                        "commit_s": time.monotonic() - t2},
         }
         return chat_completion_body(
             response_id, req.model or self.model_name, choices,
