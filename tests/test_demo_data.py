@@ -41,3 +41,88 @@ def test_warmstart_never_contains_a_demo_task() -> None:
         assert fn not in names  # not even the function name of a demo task
     chats = fam.warmstart_chats(500, seed=1)
     assert {c["messages"][0]["content"] for c in chats}.isdisjoint(instructions)
+
+
+HARBOR = REPO / "examples/tasks/harbor"
+
+
+def _chat_text(chat: dict) -> str:  # type: ignore[type-arg]
+    parts = []
+    for m in chat["messages"]:
+        parts.append(m.get("content") or "")
+        parts += [c["function"]["arguments"] for c in m.get("tool_calls") or ()]
+    return "\n".join(parts)
+
+
+def test_tool_chats_never_contain_a_demo_harbor_task() -> None:
+    """No demo Harbor task's instruction, file name, file content, solution command or expected
+    output appears in the tool-use warm start (its families only share the tasks' shapes)."""
+    fam = _families()
+    tasks = sorted(p for p in HARBOR.iterdir() if p.is_dir())
+    assert [t.name for t in tasks] == ["fix-mean-bug", "run-report-script"]
+    banned = ["answer.txt", "def mean(", "`mean`", "sum(xs) / (len(xs) - 1)", "sum(xs) / len(xs)"]
+    for t in tasks:
+        banned.append((t / "instruction.md").read_text().strip())
+        for f in (t / "environment" / "files").iterdir():
+            banned += [f.name, f.stem, f.read_text().strip()]
+        for line in (t / "solution" / "solve.sh").read_text().splitlines()[1:]:
+            if line.strip() and line.strip() != "cd /app":
+                banned.append(line.strip())
+    chats = fam.tool_chats(2000, seed=3)
+    assert {len(c["messages"]) for c in chats} == {5, 7}  # both families drawn
+    for c in chats:
+        text = _chat_text(c)
+        for b in banned:
+            assert b not in text, (b, text)
+
+
+def test_tool_chats_are_what_the_harbor_env_sends_and_grades_would_pass() -> None:
+    """Each tool chat opens with HarborEnv's system prompt and tools, and its tool calls do what
+    the instruction asks: the edit turns the planted bug into the correct function."""
+    from rl360.envs.harbor import SYSTEM_PROMPT
+    from rl360.envs.tools import BUILTIN_TOOLS
+
+    fam = _families()
+    for c in fam.tool_chats(300, seed=4):
+        assert c["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT.format(workdir="/app")}
+        assert [t["function"]["name"] for t in c["tools"]] == list(BUILTIN_TOOLS)
+        msgs = c["messages"]
+        calls = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in msgs
+                 if m.get("tool_calls")]
+        if len(msgs) == 5:  # run a script into a file
+            src, dst = re.findall(r"`(/app/[^`]+)`", msgs[1]["content"])
+            assert calls == [{"command": f"python3 {src} > {dst}"}]
+            continue
+        fn = re.search(r"`(\w+)`", msgs[1]["content"]).group(1)  # type: ignore[union-attr]
+        source = msgs[3]["content"]
+        fixed = source.replace(calls[1]["old_string"], calls[1]["new_string"], 1)
+        assert source.count(calls[1]["old_string"]) == 1
+        ns: dict = {}  # type: ignore[type-arg]
+        exec(fixed, ns)
+        family = next(f for f in fam.FAMILIES + fam.EXTRA
+                      for k in fam.free(f) if f.func(k) == fn)
+        k = next(k for k in fam.free(family) if family.func(k) == fn)
+        ref: dict = {}  # type: ignore[type-arg]
+        exec(fam.solution(family, k), ref)
+        for x in family.inputs:
+            assert ns[fn](x) == ref[fn](x), (fixed, x)
+        buggy: dict = {}  # type: ignore[type-arg]
+        exec(source, buggy)
+        assert any(_differs(buggy[fn], ref[fn], x) for x in family.inputs), source
+
+
+def _differs(f, g, x) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return f(x) != g(x)
+    except Exception:
+        return True
+
+
+def test_warm_start_mixes_code_and_tool_chats() -> None:
+    fam = _families()
+    chats = fam.warmstart_mix(1000, seed=0)
+    n_tool = sum("tools" in c for c in chats)
+    assert n_tool == round(1000 * fam.TOOL_SHARE) and 0 < n_tool < 1000
+    code = [c for c in chats if "tools" not in c]
+    assert code == fam.warmstart_chats(1000 - n_tool, 0) or sorted(map(json.dumps, code)) == sorted(
+        map(json.dumps, fam.warmstart_chats(1000 - n_tool, 0)))
