@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -239,12 +240,13 @@ def _wrap(text: str) -> str:
 
 
 def run_script_chat(rng: random.Random) -> list[dict[str, Any]]:
-    """Run a script, its output redirected into the file the instruction names; then say so."""
+    """Run the script (a glob: the work dir holds the one script), its output redirected into
+    the file the instruction names; then say so."""
     script = f"{WORKDIR}/{pick_name(rng, SCRIPTS)}.py"
     out = f"{WORKDIR}/{pick_name(rng, OUTPUTS)}.txt"
     text = rng.choice(RUN_TEXTS).format(script=script, out=out)
     return [{"role": "user", "content": text},
-            _call(0, "bash", command=f"python3 {script} > {out}"),
+            _call(0, "bash", command=f"python3 {WORKDIR}/*.py > {out}"),
             _result(0, "bash", "[exit code 0]"),
             {"role": "assistant", "content": f"Done: {out} holds the number."}]
 
@@ -282,15 +284,22 @@ def _source(f: Family, k: Any, buggy: str) -> str:
     return f'def {f.func(k)}({f.arg}):\n    """Return {f.text(k)}."""\n    return {buggy}\n'
 
 
+_SED_SPECIAL = re.compile(r"[\\/.*\[\]^$&']")
+
+
 def planted_bugs(f: Family, k: Any) -> list[tuple[str, str, str]]:
-    """The bugs of _bugs that edit_file can fix (old_string once in the file: x - 11 - 1 holds
-    " - 1" twice) and that change a result (s[:12] is s[:11] on every test input)."""
+    """The bugs of _bugs that one `sed -i 's/old/new/'` fixes (old once in the file: x - 11 - 1
+    holds " - 1" twice; no character sed or the shell would read) and that change a result
+    (s[:12] is s[:11] on every test input)."""
     return [b for b in _bugs(f.expr(k), k)
-            if _source(f, k, b[0]).count(b[1]) == 1 and _changes(f, k, b[0])]
+            if _source(f, k, b[0]).count(b[1]) == 1 and _changes(f, k, b[0])
+            and not _SED_SPECIAL.search(b[1] + b[2])]
 
 
 def fix_function_chat(rng: random.Random) -> list[dict[str, Any]]:
-    """Read the file, fix the planted bug with edit_file, then say so."""
+    """Show the work dir's Python file, fix the planted bug with sed, then say so. The file is
+    reached by a glob (the work dir holds the one module): a 0.35M policy copies a path it has
+    never seen poorly, a glob needs no copying."""
     while True:
         f = rng.choice(FAMILIES + EXTRA)
         k = rng.choice(free(f))
@@ -300,11 +309,12 @@ def fix_function_chat(rng: random.Random) -> list[dict[str, Any]]:
     buggy, old, new = rng.choice(bugs)
     path = f"{WORKDIR}/{pick_name(rng, MODULES)}.py"
     text = _wrap(FIX_TEXT.format(fn=f.func(k), path=path, text=f.text(k)))
+    source = _source(f, k, buggy)
     return [{"role": "user", "content": text},
-            _call(0, "read_file", path=path),
-            _result(0, "read_file", _source(f, k, buggy)),
-            _call(1, "edit_file", path=path, old_string=old, new_string=new),
-            _result(1, "edit_file", f"edited {path}: replaced 1 occurrence"),
+            _call(0, "bash", command=f"cat {WORKDIR}/*.py"),
+            _result(0, "bash", source.rstrip("\n") + "\n[exit code 0]"),
+            _call(1, "bash", command=f"sed -i 's/{old}/{new}/' {WORKDIR}/*.py"),
+            _result(1, "bash", "[exit code 0]"),
             {"role": "assistant", "content": f"Fixed {f.func(k)} in {path}."}]
 
 
@@ -325,7 +335,7 @@ def tool_chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
                           *TOOL_FAMILIES[rng.choice(names)](rng)]} for _ in range(n)]
 
 
-TOOL_SHARE = 0.1  # of the warm-start chats
+TOOL_SHARE = 0.15  # of the warm-start chats
 
 
 def warmstart_mix(n: int, seed: int = 0) -> list[dict[str, Any]]:
