@@ -177,8 +177,6 @@ _VERBS = ("compute", "print", "count", "sum", "build", "gen", "calc", "check", "
 _NOUNS = ("total", "score", "digest", "tally", "metric", "value", "summary", "result", "size",
           "parity")
 SCRIPTS = tuple(f"{v}_{n}" for v in _VERBS for n in _NOUNS)
-OUTPUTS = ("result", "output", "value", "number", "out", "total", "score", "count", "printed",
-           "line", "data", "solution")
 MODULES = ("calc", "mathutil", "helpers", "ops", "numbers", "textops", "util", "funcs", "core",
            "lib", "shapes", "tools")
 # half of the file names are made-up words: the BPE splits them into pieces no other chat has,
@@ -195,7 +193,8 @@ def made_up(rng: random.Random, parts: int) -> str:
 
 
 def pick_name(rng: random.Random, pool: tuple[str, ...], sep: str = "_") -> str:
-    if rng.random() < 0.5:
+    """A name from `pool` half of the time (never when it is empty), else a made-up one."""
+    if pool and rng.random() < 0.5:
         return rng.choice(pool)
     if rng.random() < 0.5:
         return made_up(rng, rng.randint(2, 3))
@@ -243,7 +242,7 @@ def run_script_chat(rng: random.Random) -> list[dict[str, Any]]:
     """Run the script (a glob: the work dir holds the one script), its output redirected into
     the file the instruction names; then say so."""
     script = f"{WORKDIR}/{pick_name(rng, SCRIPTS)}.py"
-    out = f"{WORKDIR}/{pick_name(rng, OUTPUTS)}.txt"
+    out = f"{WORKDIR}/{pick_name(rng, ())}.txt"  # always made up: copied, never recalled
     text = rng.choice(RUN_TEXTS).format(script=script, out=out)
     return [{"role": "user", "content": text},
             _call(0, "bash", command=f"python3 {WORKDIR}/*.py > {out}"),
@@ -252,16 +251,14 @@ def run_script_chat(rng: random.Random) -> list[dict[str, Any]]:
 
 
 def _bugs(expr: str, k: Any) -> list[tuple[str, str, str]]:
-    """(buggy expression, old_string, new_string) of the bugs planted in a correct expression:
-    a stray ` - 1` or ` + 1` (at the end, or around an integer constant) removed by deleting
-    it; a wrong integer constant or operator replaced by the correct expression."""
+    """(buggy expression, old, new) of the bugs planted in a correct expression: a stray ` - 1`
+    or ` + 1` (at the end, or around an integer constant), fixed by deleting it. (Wrong
+    constants and operators were tried too: with their per-bug sed commands the 0.35M policy
+    wrote no valid fix after 220 steps.)"""
     out = [(f"{expr} - 1", " - 1", ""), (f"{expr} + 1", " + 1", "")]
     if isinstance(k, int) and str(k) in expr and expr.count(str(k)) == 1:
         out.append((expr.replace(str(k), f"({k} - 1)"), " - 1", ""))
-        out.append((expr.replace(str(k), str(k + 1)), expr.replace(str(k), str(k + 1)), expr))
-    for a, b in ((" + ", " - "), (" - ", " + "), (" * ", " + ")):
-        if expr.count(a) == 1:
-            out.append((expr.replace(a, b), expr.replace(a, b), expr))
+        out.append((expr.replace(str(k), f"({k} + 1)"), " + 1", ""))
     return out
 
 
@@ -335,7 +332,7 @@ def tool_chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
                           *TOOL_FAMILIES[rng.choice(names)](rng)]} for _ in range(n)]
 
 
-TOOL_SHARE = 0.15  # of the warm-start chats
+TOOL_SHARE = 0.25  # of the warm-start chats
 
 
 def warmstart_mix(n: int, seed: int = 0) -> list[dict[str, Any]]:
