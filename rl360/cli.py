@@ -148,7 +148,7 @@ COMMANDS: dict[str, Command] = {
     "train": Command("fully asynchronous RL training (engines, envs, trainer)",
                      "rl360.launch.train_run:train_command", _train_args),
     "sft": Command("supervised fine-tuning on chats (warm-start a policy)",
-                   "rl360.launch.sft_run:sft_command"),
+                   "rl360.launch.warm_start:sft_command"),
     "recipe": Command("check or print recipes", "rl360.cli:recipe_command", _recipe_cmd_args,
                       takes_recipe=False),
     "merge": Command("merge expert checkpoints", "rl360.merge.cli:run_args", merge_arguments,

@@ -92,3 +92,12 @@ def test_cli_reports_recipe_errors_in_one_line(tmp_path: Path) -> None:
     assert out.stderr.strip().splitlines() == [
         "rl360: recipe error: engine.replicas: expected an int >= 1, got -1"
     ]
+
+
+def test_every_command_handler_resolves() -> None:
+    """Each command's handler names a module and function that exist (`rl360 sft` pointed at a
+    module that had been renamed, and failed only when run)."""
+    from rl360.cli import COMMANDS, _handler
+
+    for name, cmd in COMMANDS.items():
+        assert callable(_handler(cmd.handler)), name

@@ -2,8 +2,9 @@
 
 Data is a JSONL file of {"messages": [...]} chats or a "module:function" generator returning
 such chats. Each chat is tokenized with the chat template exactly as the session server will
-render it (prompt = all but the last message, with the generation prompt); the loss is the
-token-mean NLL of the last (assistant) message and its end-of-turn token."""
+render it (each assistant turn's prompt = the messages before it, with the generation prompt);
+the loss is the token-mean NLL of the assistant turns and their end-of-turn tokens (system,
+user and tool messages are masked)."""
 
 from __future__ import annotations
 
@@ -62,24 +63,48 @@ def _chat_parts(chat: dict[str, Any]) -> tuple[list[Any], list[Any] | None]:
     return msgs, tools
 
 
+def _assistant_turn(renderer: Any, msgs: list[Message], tools: Any, i: int) -> tuple[str, str]:
+    """(prompt text, trained text) of assistant message i: the prompt is the conversation before
+    it with the generation prompt, as the session server renders it; the trained text is the
+    turn as the chat template writes it (tool calls included) without the end-of-turn token."""
+    prompt_text = renderer.render_text(msgs[:i], tools, add_generation_prompt=True)
+    full_text = renderer.render_text(msgs[: i + 1], tools, add_generation_prompt=False)
+    turn = full_text[len(prompt_text) :] if full_text.startswith(prompt_text) else ""
+    end = renderer.tokenizer.convert_ids_to_tokens(renderer.end_of_turn_id)
+    if msgs[i].tool_calls and end in turn:
+        return prompt_text, turn[: turn.rindex(end)]
+    return prompt_text, msgs[i].content or ""  # plain text: exactly the content
+
+
 def encode_chat(renderer: Any, chat: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of a chat: the loss covers the last message, an assistant turn
-    (its text and tool calls, as the chat template writes them) and its end-of-turn token.
-    A chat may list "tools" (OpenAI function specs), rendered into the prompt as an env would."""
+    """(token ids, loss mask) of a chat: the loss covers every assistant turn (its text and tool
+    calls, as the chat template writes them) and its end-of-turn token; the system prompt, the
+    tools, user turns and tool results are context only (mask 0). The chat must end with an
+    assistant message. A chat may list "tools" (OpenAI function specs), rendered into the
+    prompt as an env would. A multi-turn chat is encoded piece by piece the way the session
+    ledger grows: each assistant turn's prompt is the template's render of the conversation
+    so far, so the text between two assistant turns (the junction after the end-of-turn
+    token, the tool results, the next generation prompt) is the template's delta."""
     msgs, tools = _chat_parts(chat)
     if not msgs or msgs[-1].role != "assistant":
         raise ValueError("each SFT chat must end with an assistant message")
-    prompt_text = renderer.render_text(msgs[:-1], tools, add_generation_prompt=True)
-    full_text = renderer.render_text(msgs, tools, add_generation_prompt=False)
-    turn = full_text[len(prompt_text) :] if full_text.startswith(prompt_text) else ""
     end = renderer.tokenizer.convert_ids_to_tokens(renderer.end_of_turn_id)
-    if msgs[-1].tool_calls and end in turn:
-        answer_text = turn[: turn.rindex(end)]
-    else:  # plain text: exactly the content, as before
-        answer_text = msgs[-1].content or ""
-    prompt = renderer.encode(prompt_text)
-    answer = [*renderer.encode(answer_text), renderer.end_of_turn_id]
-    return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""  # the text encoded so far
+    for i, m in enumerate(msgs):
+        if m.role != "assistant":
+            continue
+        prompt_text, answer_text = _assistant_turn(renderer, msgs, tools, i)
+        if not prompt_text.startswith(done):
+            raise ValueError(f"the chat template does not render this chat append-only at "
+                             f"message {i}: SFT cannot train on its earlier assistant turns")
+        prompt = renderer.encode(prompt_text[len(done) :])
+        answer = [*renderer.encode(answer_text), renderer.end_of_turn_id]
+        ids += prompt + answer
+        mask += [0] * len(prompt) + [1] * len(answer)
+        done = prompt_text + answer_text + end
+    return ids, mask
 
 
 FINGERPRINT_FILE = "rl360_sft.txt"

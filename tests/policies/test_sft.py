@@ -13,6 +13,7 @@ import pytest
 from rl360.policies.chat import ChatRenderer
 from rl360.policies.sft import backward_nll, chat_texts, encode_chat, length_chunks, tiny_spec
 from rl360.policies.tiny import TINY_PRESETS, build_bpe_tokenizer, build_tiny_model
+from rl360.types import Message, ToolSpec
 
 CALL = {"id": "c0", "type": "function",
         "function": {"name": "bash", "arguments": json.dumps({"command": "python3 /app/x.py"})}}
@@ -61,6 +62,34 @@ def test_encode_chat_trains_on_the_tool_call_as_the_template_writes_it() -> None
     ids, mask = encode_chat(r, _chats(1)[0])
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == (
         "def add_2(x):\n    return x + 2<|im_end|>")
+
+
+def test_encode_chat_trains_on_every_assistant_turn_and_masks_tool_results() -> None:
+    """A multi-turn tool chat: the loss covers each assistant turn (tool call or answer) and its
+    end-of-turn token, never the system prompt, tools, user turn or tool results; and the ids
+    are what the session ledger holds: each turn's prompt is the template's render of the
+    conversation so far."""
+    tok = build_bpe_tokenizer(chat_texts(_chats(50)), 300)
+    r = ChatRenderer(tok)
+    chat = {"tools": TOOLS, "messages": [
+        {"role": "system", "content": "You are in a sandbox."},
+        {"role": "user", "content": "Run /app/x.py"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "content": "SECRET-OUTPUT 42\n[exit code 0]", "tool_call_id": "c0",
+         "name": "bash"},
+        {"role": "assistant", "content": "Done."}]}
+    ids, mask = encode_chat(r, chat)
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert tok.decode(trained) == (
+        '<tool_call>\n{"name": "bash", "arguments": {"command": "python3 /app/x.py"}}'
+        "\n</tool_call><|im_end|>Done.<|im_end|>")
+    context = tok.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+    assert "SECRET-OUTPUT 42" in context and "You are in a sandbox." in context
+    msgs = [msgspec.convert(m, Message) for m in chat["messages"]]
+    tools = [msgspec.convert(t, ToolSpec) for t in TOOLS]
+    second = len(ids) - len(tok.encode("Done.", add_special_tokens=False)) - 1
+    assert ids[:second] == r.render(msgs[:4], tools, add_generation_prompt=True)
+    assert ids == [*r.render(msgs, tools, add_generation_prompt=False)[:len(ids)]]
 
 
 def test_chunked_loss_and_gradients_equal_one_padded_batch() -> None:
