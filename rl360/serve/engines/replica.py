@@ -21,6 +21,10 @@ from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine")
 
+# a (re)started replica serves nothing before it has the publisher's newest weights; this
+# long at most (a fetch of the largest model's weights), then its requests fail (infra errors)
+CATCH_UP_TIMEOUT_S = 600.0
+
 
 class EngineReplica:
     """Serve wraps this class with `serve.deployment(...)` in rl360.launch.serve_app."""
@@ -40,6 +44,7 @@ class EngineReplica:
             self.replica_id = "local"
         self._publisher_name = publisher  # (name, namespace) of the WeightPublisher actor
         self._follow: asyncio.Task[None] | None = None
+        self._caught_up: asyncio.Event | None = None
         log.info("engine replica %s up (backend=%s)", self.replica_id, backend)
 
     def _ensure_following(self) -> None:
@@ -50,8 +55,10 @@ class EngineReplica:
 
         name, namespace = self._publisher_name
         pub = ray.get_actor(name, namespace=namespace)
+        self._caught_up = asyncio.Event()
         self._follow = asyncio.get_running_loop().create_task(
-            follow_weights(pub, self.backend, self.replica_id), name="rl360-engine-weight-sync"
+            follow_weights(pub, self.backend, self.replica_id, caught_up=self._caught_up),
+            name="rl360-engine-weight-sync"
         )
         self._follow.add_done_callback(self._on_follow_done)
 
@@ -61,6 +68,13 @@ class EngineReplica:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self._ensure_following()
+        if self._caught_up is not None and not self._caught_up.is_set():
+            try:
+                await asyncio.wait_for(self._caught_up.wait(), CATCH_UP_TIMEOUT_S)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"engine replica {self.replica_id} has not caught up to the published "
+                    f"weights within {CATCH_UP_TIMEOUT_S:g}s (CATCH_UP_TIMEOUT_S)") from None
         gen = await self.backend.generate(prompt_ids, sampling)
         gen.engine_replica = self.replica_id
         return gen
