@@ -24,6 +24,7 @@ import asyncio
 import collections
 import logging
 import math
+import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -41,6 +42,15 @@ from rl360.types import EpisodeRecord, Task
 LOST_COOLDOWN_S = 30.0
 
 log = logging.getLogger("rl360.controller")
+
+
+def _reason_key(error: str) -> str:
+    """A failure reason with its ids and numbers blanked (sandbox names, pids, ports), so the
+    breaker's top reasons group the same failure together."""
+    return _IDS.sub("#", error)[:160]
+
+
+_IDS = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{4,}\b|(?<![A-Za-z0-9])\d+")
 
 
 class ControllerFailed(RuntimeError):
@@ -327,7 +337,7 @@ class RolloutController:
         all-infra groups in a row, or when the infra rate over the last `breaker_window`
         episodes passes `breaker_infra_rate`."""
         infra = [r for r in records if r.status == "infra_error"]
-        self._reasons.update((r.error or "unknown")[:120] for r in infra)
+        self._reasons.update(_reason_key(r.error or "unknown") for r in infra)
         self._window.extend(r.status == "infra_error" for r in records)
         self._all_infra_in_a_row = self._all_infra_in_a_row + 1 if len(infra) == len(records) else 0
         rate = sum(self._window) / len(self._window) if self._window else 0.0

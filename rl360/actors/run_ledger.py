@@ -96,5 +96,33 @@ def account(rows: list[dict[str, Any]], group_size: int) -> dict[str, Any]:
         "episodes_rerun": reruns,
         "episodes_lost": infra_left + group_size * len(lost),
         "episodes_duplicated": group_size * (len(dup_occ) + len(dup_gid)),
-        "faults": [r for r in rows if r["kind"] == "fault"],
+        "faults": per_fault(rows, set(lost), set(dup_occ)),
     }
+
+
+def per_fault(rows: list[dict[str, Any]], lost: set[int] | None = None,
+              duplicated: set[int] | None = None) -> list[dict[str, Any]]:
+    """Each `fault` row with what followed it until the next one: episodes re-run, the lost
+    and duplicated occurrences that were running when it hit (started before it, settled
+    after), and `recovery_s`: from the kill to the end of the next step that trained."""
+    out: list[dict[str, Any]] = []
+    started_at: dict[int, int] = {}  # occ -> its last start's row index
+    for i, r in enumerate(rows):
+        for e in r.get("events", []):
+            if e["ev"] == "start":
+                started_at[int(e.get("occ", -1))] = i
+        if r["kind"] != "fault":
+            continue
+        f = {"part": r["part"], "killed": r.get("killed", ""), "step": r["step"],
+             "episodes_rerun": 0, "lost": 0, "duplicated": 0, "recovery_s": None}
+        for later in rows[i + 1:]:
+            if later["kind"] == "fault":
+                break
+            f["episodes_rerun"] += sum(e["ev"] == "rerun" for e in later.get("events", []))
+            if f["recovery_s"] is None and later["kind"] == "step" and "t" in later:
+                f["recovery_s"] = round(later["t"] - r["t"], 2)
+        hit = {o for o, j in started_at.items() if j <= i}
+        f["lost"] = len(hit & (lost or set()))
+        f["duplicated"] = len(hit & (duplicated or set()))
+        out.append(f)
+    return out

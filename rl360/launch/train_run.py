@@ -186,6 +186,16 @@ class TrainRun:
                     raise
                 print(f"rl360: {exc.cause}", file=sys.stderr)
                 return 1
+            except ray.exceptions.RayActorError as exc:
+                # the controller, the buffer or a trainer rank died: their state does not
+                # survive a restart, so the run ends here and resumes from its newest checkpoint
+                ckpt = latest_checkpoint(self.run_dir)
+                where = (f"continue from {ckpt} with --resume" if ckpt else
+                         "no checkpoint yet: start again")
+                why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                print(f"rl360: a part of the run died ({type(exc).__name__}: {why}); {where}",
+                      file=sys.stderr)
+                return 1
             finally:
                 try:
                     ray.get(actors.controller.stop.remote(), timeout=30)
