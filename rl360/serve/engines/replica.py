@@ -24,6 +24,9 @@ log = logging.getLogger("rl360.engine")
 # a (re)started replica serves nothing before it has the publisher's newest weights; this
 # long at most (a fetch of the largest model's weights), then its requests fail (infra errors)
 CATCH_UP_TIMEOUT_S = 600.0
+# a session shard's wait for one generation (the longest completion on the slowest engine);
+# past it the request is cancelled and the turn fails on the infrastructure
+ENGINE_CALL_TIMEOUT_S = 900.0
 
 
 class EngineReplica:
@@ -122,7 +125,15 @@ class ServeEngineClient:
         h = self._handle.options(session_id=route_key) if route_key else self._handle
         response = h.generate.remote(prompt_ids, sampling)
         try:
-            return await response
+            return await asyncio.wait_for(_result(response), ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            response.cancel()
+            raise TimeoutError(f"engine {self.deployment!r} did not answer within "
+                               f"{ENGINE_CALL_TIMEOUT_S:g}s (ENGINE_CALL_TIMEOUT_S)") from None
         except asyncio.CancelledError:  # the episode was cancelled (tail cancellation): the
             response.cancel()  # replica's generate is cancelled and the backend drops it
             raise
+
+
+async def _result(response: Any) -> Any:
+    return await response
