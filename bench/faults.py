@@ -9,7 +9,7 @@ episodes re-run, the task occurrences lost and duplicated, and the recovery time
 kill to the end of the next step that trained; for the driver: from the kill to the end of the
 resumed run's first step, which includes starting Ray, Serve and the actors again).
 
-    .venv/bin/python bench/faults.py [--steps 12] [--gap 2] [--kill-after 3]
+    .venv/bin/python bench/faults.py [--steps 10] [--gap 2] [--kill-after 2]
 
 Run it under the bench lock (flock /work/wt/bench.lock ...). Last line:
 {"bench": "faults", "lost": <total>, "duplicated": <total>, "episodes_rerun": ..., "faults": [...]}
@@ -81,7 +81,7 @@ def phase_parts(out: Path, args: argparse.Namespace) -> tuple[dict, list[dict]]:
 
 def phase_driver(out: Path, args: argparse.Namespace) -> tuple[dict, dict]:
     run = out / "driver"
-    steps = args.kill_after + 3
+    steps = args.kill_after + 2
     proc = subprocess.Popen(cmd(out, "driver", steps), cwd=REPO, env=ENV,
                             start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -114,9 +114,9 @@ def phase_driver(out: Path, args: argparse.Namespace) -> tuple[dict, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--gap", type=int, default=2, help="steps between two injected faults")
-    ap.add_argument("--kill-after", type=int, default=3, help="phase 2: kill -9 after N steps")
+    ap.add_argument("--kill-after", type=int, default=2, help="phase 2: kill -9 after N steps")
     args = ap.parse_args()
     if args.steps <= args.gap * len(PARTS):
         raise SystemExit(f"--steps must exceed {args.gap * len(PARTS)} (--gap x {len(PARTS)})")
