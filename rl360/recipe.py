@@ -400,6 +400,12 @@ class TrainSection(_S):
     # eval.sampling) on the current policy, alongside training; logged as eval/* when done
     eval_every: NonNegInt = 0
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
+    # fault drills (tests/launch/test_faults.py, bench/faults.py): "PART@N" kills one PART of
+    # the run right after step N (env_actor, engine, shard, publisher); Ray or Serve restarts
+    # it and the run must go on, losing no task (<run dir>/ledger.jsonl says what happened)
+    inject_faults: list[Annotated[str, Meta(
+        pattern=r"^(env_actor|engine|shard|publisher)@[1-9][0-9]*$")]] = msgspec.field(
+            default_factory=list)
 
 
 class SftSection(_S):

@@ -54,6 +54,7 @@ class Member:
     min_version: int = 0
     max_version: int = 0
     seqs: int = 1  # trained sequences: the primary sample and the session's other picked leaves
+    group_id: str = ""  # its group (the run's ledger records which groups each step trained)
 
 
 @dataclass
@@ -223,7 +224,8 @@ class TrajectoryBuffer:
         adv = self.advantage(rewards, valid)
         members = [Member(ref=ref, advantage=float(a), reward=r.reward.value, tokens=r.tokens,
                           loss_tokens=r.loss_tokens, task_id=r.task_id,
-                          min_version=r.min_version, max_version=r.max_version, seqs=r.samples)
+                          min_version=r.min_version, max_version=r.max_version, seqs=r.samples,
+                          group_id=group_id)
                    for r, ref, a, ok in zip(records, refs, adv, valid, strict=True)
                    if ok and r.reward is not None and r.tokens > 0]
         trained = [r for r, ok in zip(records, valid, strict=True) if ok and r.tokens > 0]
@@ -345,7 +347,8 @@ class TrajectoryBuffer:
                 members.append(Member(ref=t, advantage=a, reward=r.reward.value if r.reward else 0.0,
                                       tokens=r.tokens, loss_tokens=r.loss_tokens,
                                       task_id=r.task_id, min_version=r.min_version,
-                                      max_version=r.max_version, seqs=r.samples))
+                                      max_version=r.max_version, seqs=r.samples,
+                                      group_id=g.group_id))
             self.groups.append(GroupRecord(
                 group_id=g.group_id, task_id=g.task_id, members=members, rewards=g.rewards,
                 min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at,

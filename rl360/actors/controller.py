@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import random
+import re
 import statistics
 import time
 from collections.abc import Iterator
@@ -45,6 +46,15 @@ LOST_COOLDOWN_S = 30.0
 log = logging.getLogger("rl360.controller")
 
 
+def _reason_key(error: str) -> str:
+    """A failure reason with its ids and numbers blanked (sandbox names, pids, ports), so the
+    breaker's top reasons group the same failure together."""
+    return _IDS.sub("#", error)[:160]
+
+
+_IDS = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{4,}\b|(?<![A-Za-z0-9])\d+")
+
+
 class ControllerFailed(RuntimeError):
     """The rollout controller stopped (its circuit breaker tripped, or a task of it broke);
     the message says why in one line."""
@@ -59,6 +69,7 @@ class _Group:
     started: float = field(default_factory=time.monotonic)
     actors: list[int] = field(default_factory=list)  # which env actor runs each episode
     reruns: list[int] = field(default_factory=list)
+    occ: int = -1  # the task's position in the stream (kept when it is re-queued or resumed)
 
     def __post_init__(self) -> None:
         self.reruns = [0] * len(self.records)
@@ -111,8 +122,8 @@ class RolloutController:
         self.buffer = buffer
         self.publisher = publisher
         self.tasks = _task_stream(self.cfg.tasks, self.cfg.task_limit, self.cfg.shuffle_window, seed)
-        # (task, first batch index it may run in)
-        self.requeued: collections.deque[tuple[Task, int]] = collections.deque()
+        # (task, first batch index it may run in, its stream position)
+        self.requeued: collections.deque[tuple[Task, int, int]] = collections.deque()
         self.inflight: dict[str, _Group] = {}
         self.started = 0  # groups that count towards batches (sets each group's batch index)
         self.seq = 0  # every group ever started (names)
@@ -133,24 +144,33 @@ class RolloutController:
         self._rr = 0
         self._t0 = time.monotonic()  # rolling start: when the controller started, and its seq
         self._seq0 = 0
+        # the run's ledger (what started, settled, re-ran, was re-queued), drained by the driver
+        # into <run dir>/ledger.jsonl: rl360.actors.run_ledger counts lost and duplicated tasks
+        self._events: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ control
 
     async def start(self, groups_started: int = 0, tasks_taken: int = 0,
-                    pending: list[Task] | None = None) -> None:
+                    pending: list[Task] | None = None,
+                    pending_occ: list[int] | None = None, seq: int = 0) -> None:
         """Start the rollout loop; a resume passes a checkpoint's `checkpoint_state`: the
         groups settled, the stream position and the tasks to run first (in flight or
-        re-queued when it was taken)."""
-        self.started = self.seq = groups_started
+        re-queued when it was taken) with their stream positions."""
+        self.started = groups_started
+        self.seq = max(seq, groups_started)  # group ids stay unique over a resume
         for _ in range(tasks_taken):  # resume: skip what earlier runs already took
             next(self.tasks)
         self.tasks_taken = tasks_taken
-        self.requeued.extend((t, 0) for t in pending or [])
+        pending = pending or []
+        occs = list(pending_occ or [])
+        occs += [-1] * (len(pending) - len(occs))  # a checkpoint from before occ was recorded
+        self.requeued.extend((t, 0, o) for t, o in zip(pending, occs, strict=True))
         if not self.cfg.oversampling:
             # resume: batches that had groups in flight at the checkpoint are cut with what
             # settled (their tasks run again first, in new batches)
             batch = await self.buffer.close_open_batches.remote()
-            self.started = self.seq = batch * self.cfg.groups_per_batch
+            self.started = batch * self.cfg.groups_per_batch
+            self.seq = max(self.seq, self.started)
         self._t0, self._seq0 = time.monotonic(), self.seq
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._run(), name="rl360-rollout-loop")
@@ -187,10 +207,23 @@ class RolloutController:
         which a resume runs first. Nothing is skipped; only in-flight work is redone."""
         async with self._handoff:
             blob = await self.buffer.state.remote()
-            pending = [g.task for g in self.inflight.values()] + [t for t, _ in self.requeued]
+            pending = [g.task for g in self.inflight.values()] + [t for t, _, _ in self.requeued]
+            occ = [g.occ for g in self.inflight.values()] + [o for _, _, o in self.requeued]
             return blob, {"groups_started": self.started - len(self.inflight),
                           "tasks_taken": self.tasks_taken,
-                          "pending_tasks": msgspec.to_builtins(pending)}
+                          "pending_tasks": msgspec.to_builtins(pending),
+                          "pending_occ": occ, "seq": self.seq, "ledger": self._take_events()}
+
+    async def take_events(self) -> list[dict[str, Any]]:
+        """The ledger events since the last call (the driver appends them to ledger.jsonl)."""
+        return self._take_events()
+
+    def _take_events(self) -> list[dict[str, Any]]:
+        events, self._events = self._events, []
+        return events
+
+    def _event(self, kind: str, g: _Group, gid: str, **extra: Any) -> None:
+        self._events.append({"ev": kind, "occ": g.occ, "gid": gid, "task": g.task.id, **extra})
 
     def _status(self) -> dict[str, Any]:
         return {
@@ -207,7 +240,7 @@ class RolloutController:
     async def _run(self) -> None:
         while self._failure is None:
             await self._admit()
-            task = self._next_task(self.started // self.cfg.groups_per_batch)
+            task, occ = self._next_task(self.started // self.cfg.groups_per_batch)
             gid = f"g{self.seq:07d}-{task.id}"
             self.seq += 1
             records, refs, actors = [], [], []
@@ -219,21 +252,24 @@ class RolloutController:
                 records.append(record)
                 refs.append(data)
                 actors.append(a)
-            self.inflight[gid] = _Group(task, records, refs,
-                                        self.started // self.cfg.groups_per_batch, actors=actors)
+            g = self.inflight[gid] = _Group(task, records, refs,
+                                            self.started // self.cfg.groups_per_batch,
+                                            actors=actors, occ=occ)
+            self._event("start", g, gid)
             self.started += 1
             w = asyncio.get_running_loop().create_task(self._watch(gid), name=f"rl360-watch-{gid}")
             self._watchers.add(w)
             w.add_done_callback(self._watchers.discard)
             w.add_done_callback(self._on_done)
 
-    def _next_task(self, batch: int) -> Task:
+    def _next_task(self, batch: int) -> tuple[Task, int]:
         """A re-queued task once its batch is past the one it was cancelled from, else the
-        next task of the stream."""
+        next task of the stream; with its stream position."""
         if self.requeued and self.requeued[0][1] <= batch:
-            return self.requeued.popleft()[0]
+            task, _, occ = self.requeued.popleft()
+            return task, occ
         self.tasks_taken += 1
-        return next(self.tasks)
+        return next(self.tasks), self.tasks_taken - 1
 
     async def _admit(self) -> None:
         gpb = self.cfg.groups_per_batch
@@ -300,6 +336,7 @@ class RolloutController:
             return rec
         g.reruns[i] += 1
         self.counts["episodes_rerun"] += 1
+        self._event("rerun", g, gid, member=i, why=(rec.error or "")[:120])
         g.actors[i] = self._next_actor(avoid=g.actors[i])
         g.records[i], g.refs[i] = self.env_actors[g.actors[i]].rollout.remote(
             g.task, gid, self.sampling)
@@ -324,7 +361,7 @@ class RolloutController:
         all-infra groups in a row, or when the infra rate over the last `breaker_window`
         episodes passes `breaker_infra_rate`."""
         infra = [r for r in records if r.status == "infra_error"]
-        self._reasons.update((r.error or "unknown")[:120] for r in infra)
+        self._reasons.update(_reason_key(r.error or "unknown") for r in infra)
         self._window.extend(r.status == "infra_error" for r in records)
         self._all_infra_in_a_row = self._all_infra_in_a_row + 1 if len(infra) == len(records) else 0
         rate = sum(self._window) / len(self._window) if self._window else 0.0
@@ -359,7 +396,10 @@ class RolloutController:
             del self.done_times[old]
         self.counts["record_bytes"] += sum(len(msgspec.msgpack.encode(r)) for r in records)
         batch = -1 if self.cfg.oversampling else g.batch
-        if not await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch):
+        queued = await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch)
+        self._event("settle", g, gid, queued=bool(queued),
+                    infra=sum(r.status == "infra_error" for r in records))
+        if not queued:
             # filtered (no reward variance, or all infra failures): with oversampling its batch
             # slot goes to another group (or the staleness gate would wait for a batch that
             # never fills); without, the batch is whatever survived
@@ -386,7 +426,8 @@ class RolloutController:
                     self.inflight.pop(gid)
                     for r in g.records:  # cancels the episode (both of its returns)
                         ray.cancel(r)
-                    self.requeued.append((g.task, g.batch + 1))  # not in the batch it stalled
+                    self.requeued.append((g.task, g.batch + 1, g.occ))  # not the batch it stalled
+                    self._event("requeue", g, gid)
                     self.counts["tail_cancelled_groups"] += 1
                     log.info("tail-cancelled %s after %.1fs (limit %.1fs)", gid, now - g.started, limit)
                     if self.cfg.oversampling:

@@ -38,6 +38,11 @@ from rl360.types import EpisodeRecord, Task, Trajectory
 
 log = logging.getLogger("rl360.env")
 
+# an env actor's calls to its session shard outside a chat turn (open, close: ledger work, no
+# generation); a shard that does not answer within this is dead or restarting, and the episode
+# fails on the infrastructure (and is re-run). Chat turns are bounded by env.call_timeout_s.
+SHARD_CALL_TIMEOUT_S = 120.0
+
 
 def _infra(task: Task, group_id: str, reason: str, t0: float) -> Trajectory:
     return Trajectory(session_id="", tokens=[], mask=[], logprobs=[], versions=[], provenance=[],
@@ -101,8 +106,13 @@ class EnvActor:
         try:
             shard = self.sessions.shard(sid)
             try:
-                opened = await shard.open.remote({"task_id": task.id, "group_id": group_id}, None, sid)
+                opened = await asyncio.wait_for(
+                    _open_session(shard, {"task_id": task.id, "group_id": group_id}, sid),
+                    SHARD_CALL_TIMEOUT_S)
                 open_s = time.monotonic() - t0
+            except TimeoutError:
+                return _infra(task, group_id, f"session shard did not open a session within "
+                              f"{SHARD_CALL_TIMEOUT_S:g}s (SHARD_CALL_TIMEOUT_S)", t0)
             except Exception as exc:
                 return _infra(task, group_id, f"session server unreachable: {exc!r}", t0)
             if not isinstance(opened, dict):
@@ -139,7 +149,14 @@ class EnvActor:
                     await _quietly(env.close())
                 cleanup_s = time.monotonic() - t_clean
             t_close = time.monotonic()
-            closed = await shard.close.remote(sid, token, False)  # the picked samples
+            try:  # the picked samples
+                closed = await asyncio.wait_for(shard.close.remote(sid, token, False),
+                                                SHARD_CALL_TIMEOUT_S)
+            except TimeoutError:
+                return _infra(task, group_id, f"session shard did not return the ledger within "
+                              f"{SHARD_CALL_TIMEOUT_S:g}s (SHARD_CALL_TIMEOUT_S)", t0)
+            except Exception as exc:  # the shard died with the session's ledger
+                return _infra(task, group_id, f"session shard lost: {exc!r}", t0)
             close_s = time.monotonic() - t_close
             if not isinstance(closed, dict):
                 return _infra(task, group_id, f"could not read the session ledger: {closed}", t0)
@@ -178,9 +195,21 @@ async def _quietly(coro: Any) -> None:
         log.warning("cleanup failed: %r", exc)
 
 
+async def _open_session(shard: Any, meta: dict[str, Any], sid: str) -> Any:
+    """shard.open, retried while the shard restarts (a restarting actor refuses calls at once;
+    the session did not exist yet, so opening again is safe). The caller bounds the wait."""
+    delay = 0.2
+    while True:
+        try:
+            return await shard.open.remote(meta, None, sid)
+        except ray.exceptions.ActorUnavailableError:
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+
 async def _safe_close(shard: Any, sid: str, token: str) -> None:
     try:
-        await shard.close.remote(sid, token)
+        await asyncio.wait_for(shard.close.remote(sid, token), SHARD_CALL_TIMEOUT_S)
     except Exception as exc:
         log.warning("closing session %s failed: %r", sid, exc)
 

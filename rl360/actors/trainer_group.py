@@ -158,7 +158,12 @@ class TrainerWorker:
         kept)."""
         if getattr(self, "_packer", None) is None:
             self._packer = WeightPacker(**packer)
-        return put_packet(self._packer.pack(version, self._sync_state()), publisher)
+        state = self._sync_state()
+        meta = put_packet(self._packer.pack(version, state), publisher)
+        if publisher is not None and not meta["published"] and meta.get("kind") == "delta":
+            # the publisher lost the chain the delta extends (it restarted): send it full
+            meta = put_packet(self._packer.repack_full(version, state), publisher)
+        return meta
 
     # collective weight sync (rank 0 is the sender; see rl360.serve.weights.transports)
     def weight_spec(self) -> list[tuple[str, list[int], str]]:

@@ -89,9 +89,12 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     resolve_model_path(recipe.model.path)  # build/convert once, before replicas race for it
     prefix = f"{s.app_name}-sessions"
     publisher_name = f"{s.app_name}-weights"
+    # the publisher restarts with calls in flight retried; it comes back empty and is refilled
+    # by the replicas (their applied versions, within a poll) and the trainer's next publish
     publisher = (
         ray.remote(WeightPublisher)
-        .options(name=publisher_name, namespace=ns, get_if_exists=True, **service)
+        .options(name=publisher_name, namespace=ns, get_if_exists=True, max_restarts=-1,
+                 max_task_retries=-1, **service)
         .remote()
     )
     shard_cls = ray.remote(SessionShard)
@@ -99,8 +102,11 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     names = [f"{prefix}-{i}" for i in range(s.session_shards)]
     for name in names:
         shards.append(
+            # a shard restarts empty: the episodes whose sessions it held fail on the
+            # infrastructure and are re-run (actors/controller.py); new sessions go on at once
             shard_cls.options(name=name, namespace=ns, get_if_exists=True,
-                              max_concurrency=1000, **with_env(service, SAME_LOOP_ENV))
+                              max_concurrency=1000, max_restarts=-1, max_task_retries=0,
+                              **with_env(service, SAME_LOOP_ENV))
             .remote(recipe.model, s, recipe.run.name, ServeEngineClient(s.app_name))
         )
     ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here

@@ -28,7 +28,9 @@ from rl360.actors.buffer import TrajectoryBuffer
 from rl360.actors.controller import ControllerFailed, RolloutController
 from rl360.actors.metrics import MetricsSink
 from rl360.actors.reward_stats import first_values, with_deltas
+from rl360.actors.run_ledger import RunLedger
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
+from rl360.launch.faults import faults_after, inject
 from rl360.launch.stack import Stack, running_stack
 from rl360.launch.step_log import TrainEval, TrajectoryLog, load_eval_tasks
 from rl360.launch.support import support_problems
@@ -134,6 +136,7 @@ class TrainRun:
             raise TrainSetupError(str(exc)) from None
         self.traj_log: TrajectoryLog | None = None
         self.evaluator: TrainEval | None = None
+        self.ledger: RunLedger | None = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -151,6 +154,7 @@ class TrainRun:
         self.deadline = self.t_start + tr.max_minutes * 60 if tr.max_minutes else None
         model_path = resolve_model_path(recipe.model.path)
         (self.run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
+        self.ledger = RunLedger(self.run_dir, self.step0 if self.ckpt else None)
         with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling)) as stack:
             actors = start_train_actors(recipe, stack, self.ckpt / "model" if self.ckpt else model_path)
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
@@ -174,13 +178,24 @@ class TrainRun:
                 pending = msgspec.convert(self.meta.get("pending_tasks", []), list[Task])
                 ray.get(actors.controller.start.remote(int(self.meta.get("groups_started", 0)),
                                                        int(self.meta.get("tasks_taken", 0)),
-                                                       pending))
+                                                       pending, self.meta.get("pending_occ"),
+                                                       int(self.meta.get("seq", 0))))
                 self.loop(stack, actors, transport)
                 self._last_eval()
             except ray.exceptions.RayTaskError as exc:
                 if not isinstance(exc.cause, ControllerFailed):
                     raise
                 print(f"rl360: {exc.cause}", file=sys.stderr)
+                return 1
+            except ray.exceptions.RayActorError as exc:
+                # the controller, the buffer or a trainer rank died: their state does not
+                # survive a restart, so the run ends here and resumes from its newest checkpoint
+                ckpt = latest_checkpoint(self.run_dir)
+                where = (f"continue from {ckpt} with --resume" if ckpt else
+                         "no checkpoint yet: start again")
+                why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+                print(f"rl360: a part of the run died ({type(exc).__name__}: {why}); {where}",
+                      file=sys.stderr)
                 return 1
             finally:
                 try:
@@ -270,12 +285,20 @@ class TrainRun:
                            and step < tr.steps)
             if out_of_time:
                 print(f"rl360: time budget of {tr.max_minutes:g} min reached after step {step}")
+            assert self.ledger is not None
+            self.ledger.write(step, "step", ray.get(actors.controller.take_events.remote()),
+                              t=time.time(), trained=sorted({m.group_id for m in batch.members}))
             if ((tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps
                     or STOP.requested or out_of_time):
                 path = self.checkpoint(step, actors)
                 if STOP.requested or out_of_time:
                     print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
                     return
+            for part in faults_after(tr.inject_faults, step):  # drills: kill a part now
+                killed = inject(part, stack)
+                self.ledger.write(step, "fault", part=part, killed=killed, t=time.time())
+                print(f"rl360: fault drill: killed {killed} ({part}) after step {step}",
+                      file=sys.stderr)
 
     def _last_eval(self, timeout_s: float = 300.0) -> None:
         """The evaluation still running when the last step is done: waited for (bounded) and
@@ -299,7 +322,7 @@ class TrainRun:
 
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
-                               actors.controller, self.recipe.train.keep_checkpoints)
+                               actors.controller, self.recipe.train.keep_checkpoints, self.ledger)
 
 
 def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
@@ -322,9 +345,11 @@ def _engine_busy(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any
 
 
 def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, controller: Any,
-                    keep: int) -> Path:
+                    keep: int, ledger: RunLedger | None = None) -> Path:
     """model + optimizer state, the buffer's queued groups (their trajectories whole) and the
-    controller's resume state, written to a temp dir and renamed: complete or absent."""
+    controller's resume state, written to a temp dir and renamed: complete or absent. The
+    ledger's checkpoint row is written before the rename: a resume from an older checkpoint
+    drops it with every row after that checkpoint."""
     root = run_dir / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
@@ -332,9 +357,13 @@ def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, contro
     tmp.mkdir(parents=True)
     trainer.save(tmp / "model")
     blob, resume = ray.get(controller.checkpoint_state.remote())
+    events = resume.pop("ledger", [])
     (tmp / "buffer.msgpack").write_bytes(blob)
     meta = {"step": step, "version": version, **resume, "time": time.time()}
     (tmp / CKPT_META).write_text(json.dumps(meta, indent=2))
+    if ledger is not None:
+        ledger.write(step, "checkpoint", events, tasks_taken=resume["tasks_taken"],
+                     pending_occ=resume["pending_occ"])
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # complete or absent: a kill mid-save leaves only a .tmp dir
     for old in sorted(root.glob("step_*"))[:-keep]:

@@ -249,6 +249,9 @@ def test_a_checkpoint_resumes_without_skipping_or_repeating_a_task(ray_cluster, 
     blob, resume = ray.get(ctl.checkpoint_state.remote())
     assert [t["id"] for t in resume["pending_tasks"]] == ["t1"]
     assert resume["groups_started"] == 1 and resume["tasks_taken"] == 2
+    assert resume["pending_occ"] == [1]  # t1 is the stream's second task
+    assert {(e["ev"], e["occ"]) for e in resume["ledger"]} >= {("start", 0), ("settle", 0),
+                                                                ("start", 1)}
     ray.get(ctl.stop.remote())
 
     env2 = ray.remote(FakeEnvActor).remote()
@@ -256,11 +259,16 @@ def test_a_checkpoint_resumes_without_skipping_or_repeating_a_task(ray_cluster, 
     ray.get(buf2.load_state.remote(blob))
     ctl2 = ray.remote(RolloutController).options(max_concurrency=100).remote(train, 1, [env2], buf2, pub)
     pending = [Task(**t) for t in resume["pending_tasks"]]
-    ray.get(ctl2.start.remote(resume["groups_started"], resume["tasks_taken"], pending))
+    ray.get(ctl2.start.remote(resume["groups_started"], resume["tasks_taken"], pending,
+                              resume["pending_occ"], resume["seq"]))
     batch = ray.get(buf2.next_batch.remote(0, 1, 60.0))
     assert batch is not None and sorted({m.task_id for m in batch.members}) == ["t0", "t1"]
     started = [gid.split("-", 1)[1] for gid, _ in ray.get(env2.log.remote())]
     assert started[0] == "t1" and "t0" not in started
+    first = next(e for e in ray.get(ctl2.take_events.remote()) if e["ev"] == "start")
+    assert first["occ"] == 1 and first["task"] == "t1"  # the resumed t1 keeps its position
+    before = next(e["gid"] for e in resume["ledger"] if e["ev"] == "start" and e["occ"] == 1)
+    assert first["gid"] != before  # group ids stay unique over a resume
     ray.get(ctl2.stop.remote())
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rl360.actors.run_ledger import account, read_ledger
 from rl360.serve.weights.transports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -71,6 +72,13 @@ def test_train_checkpoint_kill_and_resume(tmp_path: Path) -> None:
     assert steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
     final = rows(tmp_path)[-1]
     assert final["policy_version"] == 6 and final["staleness_max"] <= 1
+    # the ledger over both runs (the killed one up to the checkpoint resumed from): no task
+    # occurrence skipped, none trained twice; the tasks in flight at the kill ran again
+    acc = account(read_ledger(tmp_path / "e2e" / "ledger.jsonl"), 2)
+    print(f"fault driver kill -9 + --resume: occurrences {acc['occurrences']}, lost "
+          f"{acc['lost']}, duplicated {acc['duplicated']}, episodes re-run "
+          f"{acc['episodes_rerun']}, episodes lost {acc['episodes_lost']}")
+    assert acc["occurrences"] > 0 and acc["lost"] == 0 and acc["duplicated"] == 0, acc
     assert (tmp_path / "e2e" / "reward_curve.png").stat().st_size > 1000
 
     # a time budget that runs out while the run waits for a batch ends it there, exit 0, with

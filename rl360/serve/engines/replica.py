@@ -21,6 +21,13 @@ from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine")
 
+# a (re)started replica serves nothing before it has the publisher's newest weights; this
+# long at most (a fetch of the largest model's weights), then its requests fail (infra errors)
+CATCH_UP_TIMEOUT_S = 600.0
+# a session shard's wait for one generation (the longest completion on the slowest engine);
+# past it the request is cancelled and the turn fails on the infrastructure
+ENGINE_CALL_TIMEOUT_S = 900.0
+
 
 class EngineReplica:
     """Serve wraps this class with `serve.deployment(...)` in rl360.launch.serve_app."""
@@ -40,6 +47,7 @@ class EngineReplica:
             self.replica_id = "local"
         self._publisher_name = publisher  # (name, namespace) of the WeightPublisher actor
         self._follow: asyncio.Task[None] | None = None
+        self._caught_up: asyncio.Event | None = None
         log.info("engine replica %s up (backend=%s)", self.replica_id, backend)
 
     def _ensure_following(self) -> None:
@@ -50,8 +58,10 @@ class EngineReplica:
 
         name, namespace = self._publisher_name
         pub = ray.get_actor(name, namespace=namespace)
+        self._caught_up = asyncio.Event()
         self._follow = asyncio.get_running_loop().create_task(
-            follow_weights(pub, self.backend, self.replica_id), name="rl360-engine-weight-sync"
+            follow_weights(pub, self.backend, self.replica_id, caught_up=self._caught_up),
+            name="rl360-engine-weight-sync"
         )
         self._follow.add_done_callback(self._on_follow_done)
 
@@ -61,6 +71,13 @@ class EngineReplica:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self._ensure_following()
+        if self._caught_up is not None and not self._caught_up.is_set():
+            try:
+                await asyncio.wait_for(self._caught_up.wait(), CATCH_UP_TIMEOUT_S)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"engine replica {self.replica_id} has not caught up to the published "
+                    f"weights within {CATCH_UP_TIMEOUT_S:g}s (CATCH_UP_TIMEOUT_S)") from None
         gen = await self.backend.generate(prompt_ids, sampling)
         gen.engine_replica = self.replica_id
         return gen
@@ -108,7 +125,15 @@ class ServeEngineClient:
         h = self._handle.options(session_id=route_key) if route_key else self._handle
         response = h.generate.remote(prompt_ids, sampling)
         try:
-            return await response
+            return await asyncio.wait_for(_result(response), ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            response.cancel()
+            raise TimeoutError(f"engine {self.deployment!r} did not answer within "
+                               f"{ENGINE_CALL_TIMEOUT_S:g}s (ENGINE_CALL_TIMEOUT_S)") from None
         except asyncio.CancelledError:  # the episode was cancelled (tail cancellation): the
             response.cancel()  # replica's generate is cancelled and the backend drops it
             raise
+
+
+async def _result(response: Any) -> Any:
+    return await response

@@ -48,6 +48,9 @@ from rl360.serve.sessions.shard import shard_for
 log = logging.getLogger("rl360.session_server")
 
 RETRY_AFTER_S = "5"
+# the longest a request waits on its session shard (a chat call includes the generation); a
+# shard that takes longer is stuck, and the client gets a 504 instead of a request that hangs
+SHARD_REQUEST_TIMEOUT_S = 900.0
 
 
 class HttpError(Exception):
@@ -79,8 +82,13 @@ class RayShards:
         self.count = len(self.handles)
 
     async def call(self, idx: int, method: str, *args: Any) -> Any:
+        ref = getattr(self.handles[idx], method).remote(*args)
         try:
-            return await getattr(self.handles[idx], method).remote(*args)
+            return await asyncio.wait_for(ref, SHARD_REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            ray.cancel(ref)
+            raise HttpError(504, "shard_timeout", f"session shard {idx} did not answer within "
+                            f"{SHARD_REQUEST_TIMEOUT_S:g}s (SHARD_REQUEST_TIMEOUT_S)") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError) as exc:
             log.warning("session shard %d unavailable: %s", idx, type(exc).__name__)

@@ -190,6 +190,13 @@ class WeightPacker:
         packet.pack_s, packet.pack_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         return packet
 
+    def repack_full(self, version: int, state: Mapping[str, torch.Tensor]) -> Packet:
+        """`version` (already packed as a delta) again as a full version: for a publisher
+        that no longer holds the chain the delta extends."""
+        state = _cast(state, self.dtype)
+        layout = build_layout(state, self.bucket_mb)
+        return self._full(version, layout, [raw(v.cpu()) for v in state.values()])
+
     def _full(self, version: int, layout: Layout, arrays: list[np.ndarray]) -> Packet:
         if self.delta:  # keep this version's bits to diff the next one against
             if self.prev is None or self.layout is None or self.layout.entries != layout.entries:

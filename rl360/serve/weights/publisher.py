@@ -159,26 +159,38 @@ class WeightPublisher:
                 await asyncio.wait_for(self._applied_changed.wait(), remaining)
         return True
 
-    async def report_stats(self, replica: str, stats: dict[str, Any]) -> None:
+    async def report_stats(self, replica: str, stats: dict[str, Any], version: int = 0) -> None:
+        """A replica's health every poll, with the version it serves: a restarted publisher
+        learns what every replica serves again within one poll."""
         self.engine_stats[replica] = stats
+        if version > self.applied.get(replica, (0, 0.0))[0]:
+            self.applied[replica] = (version, 0.0)
+            self._notify()
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied),
                 "engines": dict(self.engine_stats), "fetched": dict(self.details)}
 
 
-async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0) -> None:
+async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0,
+                         caught_up: asyncio.Event | None = None) -> None:
     """Replica side: apply every newer published version (runs as a named task), and report
-    the backend's health (busy time, tokens) every `poll_s` for the run's metrics."""
+    the backend's health (busy time, tokens) every `poll_s` for the run's metrics.
+    `caught_up` is set once the replica serves the newest version the publisher had when it
+    first asked (a restarted replica must not serve base weights)."""
 
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None
     have = backend.version
+    first = True
     while True:
-        await publisher.report_stats.remote(replica, backend.health())
-        version, payload = await publisher.wait_newer.remote(have, poll_s)
+        await publisher.report_stats.remote(replica, backend.health(), have)
+        version, payload = await publisher.wait_newer.remote(have, 0.0 if first else poll_s)
+        first = False
         if version <= have or not payload:
+            if caught_up is not None:
+                caught_up.set()
             continue
         update = None
         t0 = time.perf_counter()
@@ -210,4 +222,6 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
             await publisher.report_applied.remote(replica, version, detail)
         else:
             have = max(have, backend.version)
+        if caught_up is not None:
+            caught_up.set()
         del state, update

@@ -1,0 +1,49 @@
+"""Fault drills: `train.inject_faults = ["env_actor@2", ...]` kills one part of a running
+`rl360 train` right after the named step (tests/launch/test_faults.py, bench/faults.py).
+
+Every part is killed through Ray (`ray.kill(handle, no_restart=False)`), the way a crashed
+process looks to the rest of the run; each is restarted (Ray's `max_restarts`, or Serve for an
+engine replica) and the run must continue losing no task. Which one was killed and when is a
+`fault` row of the run's ledger (rl360.actors.run_ledger).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+FAULT_PARTS = ("env_actor", "engine", "shard", "publisher")
+
+
+def faults_after(specs: list[str], step: int) -> list[str]:
+    """The parts to kill after `step` ("part@N" specs, checked by the recipe)."""
+    return [s.split("@")[0] for s in specs if int(s.split("@")[1]) == step]
+
+
+def engine_replica_names(app_name: str, deployment: str = "engine") -> list[str]:
+    """The Ray actor names of a Serve deployment's replicas (namespace "serve")."""
+    marker = f"{app_name}#{deployment}#"
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::") and marker in a["name"])
+
+
+def inject(part: str, stack: Any) -> str:
+    """Kill one `part` of the running stack (the first of its kind); returns what was killed."""
+    if part == "env_actor":
+        assert stack.pool is not None
+        ray.kill(stack.pool.actors[0], no_restart=False)
+        return "rl360-env-0"
+    if part == "shard":
+        ray.kill(stack.serving.shards[0], no_restart=False)
+        return stack.serving.shard_names[0]
+    if part == "publisher":
+        ray.kill(stack.serving.publisher, no_restart=False)
+        return stack.serving.publisher_name
+    if part == "engine":
+        names = engine_replica_names(stack.serving.app_name)
+        if not names:
+            raise RuntimeError("fault drill: no engine replica found to kill")
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=False)
+        return names[0]
+    raise ValueError(f"train.inject_faults: unknown part {part!r} (one of {FAULT_PARTS})")
