@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,7 +39,7 @@ from typing import Any
 
 import torch
 
-from rl360.policies.devices import place_for_generation, select_device
+from rl360.policies.devices import pin_to_cpus, place_for_generation, select_device
 from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
@@ -102,6 +104,7 @@ class TorchBackend:
         loading `model_cfg.path`."""
         if model_cfg.dtype not in _DTYPES:
             raise ValueError(f"model.dtype {model_cfg.dtype!r} not in {sorted(_DTYPES)}")
+        pin_to_cpus(engine.cpu_affinity, "engine.cpu_affinity")
         if engine.threads > 0:
             torch.set_num_threads(engine.threads)
         self.engine_cfg, self.model_cfg = engine, model_cfg
@@ -128,7 +131,7 @@ class TorchBackend:
         self._stats: dict[str, Any] = {
             "batches": 0, "steps": 0, "requests": 0, "tokens": 0, "cancelled": 0,
             "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_swap_s": 0.0, "last_update_wait_s": 0.0,
-            "sync_pause_max_s": 0.0,
+            "sync_pause_max_s": 0.0, "sync_pause_excess_max_s": 0.0,
         }
         self.step_times: deque[float] = deque(maxlen=4096)  # seconds of the latest steps
         # per in-flight swap with rows running: {"version", "swap_s", "pause_s", "step_s",
@@ -192,6 +195,8 @@ class TorchBackend:
             "weight_update": self.weight_update,
             "uptime_s": time.monotonic() - self._started,
             "torch_threads": torch.get_num_threads(),
+            "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+            "step_median_s": statistics.median(list(self.step_times)) if self.step_times else 0.0,
             "kv_bytes": self.runner.kv.nbytes,
             "prefix_entries": len(self.prefix),
             "prefix_bytes": self.prefix.nbytes,
@@ -328,6 +333,9 @@ class TorchBackend:
         pause = max(r.t_last - before[id(r)][0] for r in rows)
         across = max(len(r.out_ids) - before[id(r)][1] for r in rows)
         self._stats["sync_pause_max_s"] = max(self._stats["sync_pause_max_s"], pause)
+        # beyond the swap and the step right after it (the engine's own hand-offs; ~0)
+        self._stats["sync_pause_excess_max_s"] = max(self._stats["sync_pause_excess_max_s"],
+                                                     pause - swap - step_s)
         self.sync_log.append({"version": self._version, "swap_s": swap, "pause_s": pause,
                               "step_s": step_s, "wait_s": wait, "rows": len(rows),
                               "steps_across": across})
