@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -244,7 +245,8 @@ class TrainRun:
                 # torch engine, in-flight updates: the longest token gap of a running sequence
                 # across a weight swap so far, and the swap / decode step it compares with
                 **_engine_max(engines, ("sync_pause_max_s", "sync_pause_excess_max_s",
-                                       "last_swap_s", "step_median_s")),
+                                       "sync_pause_over_budget_max_s", "last_swap_s",
+                                       "step_median_s")),
                 "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
                 "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
                 "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
@@ -303,7 +305,8 @@ def _engine_max(engines: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> di
     """`engine_<key>`: the largest value over the replicas that report `key`."""
     out = {}
     for k in keys:
-        vals = [h[k] for h in engines.values() if isinstance(h.get(k), int | float)]
+        vals = [h[k] for h in engines.values()
+                if isinstance(h.get(k), int | float) and math.isfinite(h[k])]
         if vals:
             out[f"engine_{k}"] = float(max(vals))
     return out

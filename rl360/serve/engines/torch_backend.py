@@ -132,12 +132,14 @@ class TorchBackend:
             "batches": 0, "steps": 0, "requests": 0, "tokens": 0, "cancelled": 0,
             "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_swap_s": 0.0, "last_update_wait_s": 0.0,
             "sync_pause_max_s": 0.0, "sync_pause_excess_max_s": 0.0,
+            "sync_pause_over_budget_max_s": float("-inf"),
         }
         self.step_times: deque[float] = deque(maxlen=4096)  # seconds of the latest steps
         # per in-flight swap with rows running: {"version", "swap_s", "pause_s", "step_s",
-        # "wait_s", "rows", "steps_across"} (pause: the longest gap between two tokens of a row
-        # across it; step: the step after it; wait: from the update's arrival to the swap's
-        # start; steps_across: engine steps between a row's last old and first new token)
+        # "step_before_s", "wait_s", "rows", "steps_across"} (pause: the longest gap between two
+        # tokens of a row across it; step / step_before: the decode steps right after / before
+        # it; wait: from the update's arrival to the swap's start; steps_across: engine steps
+        # between a row's last old and first new token)
         self.sync_log: deque[dict[str, float]] = deque(maxlen=256)
         # all model work on ONE long-lived thread: torch's intra-op pool and the allocator's
         # arenas are per calling thread, and hopping between executor threads made a batch
@@ -325,7 +327,7 @@ class TorchBackend:
         self._loop.call_soon_threadsafe(_settle, fut, value)
 
     def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
-                      step_s: float, done: list[_Request]) -> None:
+                      step_before: float, step_s: float, done: list[_Request]) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
         rows = [r for r in self._rows + done if id(r) in before]
         if not rows:
@@ -333,11 +335,15 @@ class TorchBackend:
         pause = max(r.t_last - before[id(r)][0] for r in rows)
         across = max(len(r.out_ids) - before[id(r)][1] for r in rows)
         self._stats["sync_pause_max_s"] = max(self._stats["sync_pause_max_s"], pause)
-        # beyond the swap and the step right after it (the engine's own hand-offs; ~0)
+        # beyond the swap and the step right after it (the engine's own hand-offs; ~0), and
+        # beyond the swap and one decode step of the same rows (the one right before it)
         self._stats["sync_pause_excess_max_s"] = max(self._stats["sync_pause_excess_max_s"],
                                                      pause - swap - step_s)
+        self._stats["sync_pause_over_budget_max_s"] = max(
+            self._stats["sync_pause_over_budget_max_s"], pause - swap - step_before)
         self.sync_log.append({"version": self._version, "swap_s": swap, "pause_s": pause,
-                              "step_s": step_s, "wait_s": wait, "rows": len(rows),
+                              "step_s": step_s, "step_before_s": step_before,
+                              "wait_s": wait, "rows": len(rows),
                               "steps_across": across})
 
     def _finish(self, r: _Request) -> None:
@@ -390,12 +396,13 @@ class TorchBackend:
         if self.weight_update == "inflight" and self._updates and self._rows:
             wait_from = self._updates[0].arrived
             before = {id(r): (r.t_last, len(r.out_ids)) for r in self._rows}
+            step_before = self._stats["last_step_s"]
             t_swap = time.perf_counter()
             swap = self._swap_pending()
             if swap is not None:
                 done = self._one_step(gone, [])
-                self._record_pause(before, swap, t_swap - wait_from, self._stats["last_step_s"],
-                                   done)
+                self._record_pause(before, swap, t_swap - wait_from, step_before,
+                                   self._stats["last_step_s"], done)
                 return done + (self._one_step([], admit) if admit else [])
         return self._one_step(gone, admit)
 
