@@ -175,9 +175,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip", type=int, default=3, help="first steps of a run left out")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups", type=int, default=2, help="groups per batch")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--record", default="", help="JSONL file: add this invocation's runs to it "
