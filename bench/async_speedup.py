@@ -1,11 +1,28 @@
-"""Async speedup: the same recipe and number of steps with max_staleness = 0 (synchronous)
-and = 2 (fully asynchronous), on episodes of uneven length (a long tail, as real agent tasks
-have: the synthetic env sleeps a lognormal time per episode), with the real engines, session
-shards, env actors, buffer, trainer and weight publishing.
+"""Async speedup on real work: the same recipe run synchronously (max_staleness = 0) and
+asynchronously (max_staleness = 1, in-flight weight updates), alternating, 3 runs each.
 
-    .venv/bin/python bench/async_speedup.py [--steps 8] [--sigma 1.0] [--median 0.3]
+The work is real: the torch engine samples every token from a freshly initialised Llama-shaped
+policy (byte-level vocabulary; a completion ends at the end-of-turn token or at one of a few
+stop bytes, so lengths are long-tailed: most episodes are short, a few run to max_tokens), every
+answer is graded in the sandbox by the isolated test runner (bench/async_env.py), and the torch
+trainer takes a PPO step on every batch and publishes its weights to the engine. Disaggregated
+hardware is emulated on one host: the engine replica is pinned to core 0 and the trainer rank
+to core 1 (engine.cpu_affinity / trainer.cpu_affinity, one torch thread each); the controller,
+session shard, env actors, sandboxes, Ray and the driver float over both cores. The model and
+batch are sized so that a generation batch alone and a training step alone take similar time.
 
-Last line: {"bench": "async_speedup", "ours": <async s>, "baseline": <sync s>, "ratio": <sync/async>}
+From each run's steps (the first `--skip` left out: start-up and pipeline fill):
+  - sync runs: generation alone = the time the trainer waits for a batch (nothing else runs),
+    training alone = the trainer step + the weight publish (nothing else runs), sync step
+  - async runs: async step
+  - ratio = sync step / async step; pipeline efficiency = max(gen alone, train alone) / async step
+  - the longest pause of a running sequence across an in-flight weight swap (measured on the
+    engine thread), against one decode step + the swap
+
+    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 6] [--skip 2]
+
+Last line: {"bench": "async_speedup", "ours": <async step s>, "baseline": <sync step s>,
+"ratio": <sync/async>, "efficiency": ...}
 """
 
 from __future__ import annotations
@@ -15,51 +32,213 @@ import contextlib
 import io
 import json
 import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("WANDB_MODE", "offline")
+# the env actors import bench.async_env: Ray's workers inherit this
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
+sys.path.insert(0, str(ROOT))
+
+STOP_BYTES = ".\n"  # with <|im_end|>: 3 of 320 tokens end a completion
+TESTS = [  # tests over the answer text: about half of random answers pass each
+    "assert len(set(answer())) % 2 == 0",
+    "assert answer().count(' ') <= answer().count('e') + 1",
+    "assert sum(map(ord, answer())) % 3 != 0",
+]
 
 
-def run(staleness: int, args: argparse.Namespace, out: Path) -> tuple[float, float]:
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+@contextlib.contextmanager
+def ray_head(num_cpus: int = 2):  # type: ignore[no-untyped-def]
+    """One local Ray head for every run (each run joins it: no Ray start-up per run), started
+    here with `ray start --block` in its own process group and ended by that group's id."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray_cli = Path(sys.executable).parent / "ray"
+    proc = subprocess.Popen(
+        [str(ray_cli), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
+         "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        import ray
+
+        for _ in range(600):  # until the head answers (a loaded box takes a while)
+            try:
+                ray.init(address=address, namespace="probe", log_to_driver=False)
+                ray.shutdown()
+                break
+            except Exception:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"ray start exited with {proc.returncode}") from None
+                time.sleep(1.0)
+        yield address
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def make_workload(d: Path, args: argparse.Namespace) -> tuple[Path, Path, list[int]]:
+    from rl360.policies.tiny import TinyModelSpec, build_tiny_tokenizer, save_tiny_policy
+
+    spec = TinyModelSpec(hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                         num_key_value_heads=max(1, args.hidden // 256), seed=1)
+    model = save_tiny_policy(d / "policy", spec)
+    tok = build_tiny_tokenizer()
+    stops = [tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(tok.encode(c))[0]) for c in STOP_BYTES]
+    tasks = d / "tasks.jsonl"
+    with tasks.open("w") as f:
+        for i in range(64):
+            f.write(json.dumps({"id": f"text-{i:02d}", "entry_point": "answer",
+                                "instruction": f"Write anything at all, note {i}.",
+                                "tests": [TESTS[i % len(TESTS)]]}) + "\n")
+    return model, tasks, stops
+
+
+def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: list[int],
+        out: Path, idx: int, address: str) -> list[dict]:
     from rl360.launch.train_run import run_train
     from rl360.recipe import apply_overrides, decode_recipe
 
+    staleness = 0 if mode == "sync" else 1
+    name = f"{mode}{idx}"
     recipe = decode_recipe(apply_overrides({}, [
-        f"run.name=s{staleness}", f"run.out_dir={json.dumps(str(out))}", "model.path='tiny'",
-        "ray.dashboard=false", "ray.num_cpus=2", "env.env='synthetic'", "env.actors=2",
-        "env.episodes_per_actor=64", "engine.num_cpus=0.5", "trainer.num_cpus=0.5",
-        f"train.steps={args.steps}", "train.group_size=4", "train.groups_per_batch=8",
-        f"train.max_staleness={staleness}", "train.max_in_flight_groups=24",
-        "train.tasks=['examples/tasks/code.jsonl']", "train.sampling.max_tokens=8",
-        "train.checkpoint_every=0", "train.wandb='disabled'", "trainer.lr=1e-4",
+        f"run.name='{name}'", f"run.out_dir={json.dumps(str(out))}", f"run.seed={idx}",
+        f"model.path={json.dumps(str(model))}", "model.max_model_len=512",
+        f"ray.address='{address}'", "ray.dashboard=false",
+        "engine.backend='torch'", "engine.num_cpus=0.5", "engine.threads=1",
+        "engine.cpu_affinity=[0]", "engine.weight_update='inflight'", "engine.batch_wait_ms=2",
+        "engine.max_batch_size=64", "engine.prefix_cache_mb=0",
+        "trainer.num_cpus=0.5", "trainer.threads=1", "trainer.cpu_affinity=[1]",
+        "trainer.lr=1e-5", f"trainer.micro_batch_size={args.group_size * args.groups}",
+        "env.env='bench.async_env:AnswerTextEnv'", "env.actors=2", "env.episodes_per_actor=64",
+        "env.max_turns=1", "serve.session_shards=1",
+        f"train.steps={args.steps}", f"train.group_size={args.group_size}",
+        f"train.groups_per_batch={args.groups}", f"train.max_staleness={staleness}",
+        f"train.max_in_flight_groups={2 * args.groups}", "train.filter_zero_variance=false",
+        f"train.tasks=[{json.dumps(str(tasks))}]", "train.checkpoint_every=0",
+        "train.wandb='disabled'", "train.sampling.temperature=1.0",
+        f"train.sampling.max_tokens={args.max_tokens}", f"train.sampling.stop_token_ids={stops}",
     ]))
     t0 = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):
         run_train(recipe)
-    wall = time.monotonic() - t0
-    rows = [json.loads(x) for x in (out / f"s{staleness}" / "metrics.jsonl").open()]
-    steps_s = sum(r["step_s"] for r in rows)
-    idle = sum(r["wait_s"] for r in rows) / steps_s if steps_s else float("nan")
-    print(f"max_staleness={staleness}: {steps_s:.1f}s for {len(rows)} steps "
-          f"({wall:.0f}s with start-up), trainer idle {idle:.0%}, "
-          f"staleness max {max(r['staleness_max'] for r in rows):.0f}", flush=True)
-    return steps_s, idle
+    rows = [json.loads(x) for x in (out / name / "metrics.jsonl").open()]
+    kept = rows[args.skip:]
+    med = lambda k: statistics.median(r[k] for r in kept)  # noqa: E731
+    res = {"step": med("step_s"), "wait": med("wait_s"), "train": med("train_s"),
+           "sync": med("sync_s"),
+           "tokens": statistics.median(r["gen_tokens_per_s"] * r["step_s"] for r in kept),
+           "pause": max((r.get("engine_sync_pause_max_s", 0.0) for r in rows), default=0.0),
+           "excess": max((r.get("engine_sync_pause_excess_max_s", 0.0) for r in rows), default=0.0),
+           "over": max((r["engine_sync_pause_over_budget_max_s"] for r in rows
+                        if "engine_sync_pause_over_budget_max_s" in r), default=float("nan")),
+           "swap": max((r.get("engine_last_swap_s", 0.0) for r in rows), default=0.0),
+           "decode": statistics.median(r.get("engine_step_median_s", 0.0) for r in rows),
+           "staleness": max(r["staleness_max"] for r in rows), "reward": kept[-1]["reward_mean"],
+           "wall": time.monotonic() - t0}
+    print(f"  {mode:5s} run {idx}: step {res['step']:.2f}s (trainer waits {res['wait']:.2f}s, "
+          f"trains {res['train']:.2f}s, publishes {res['sync']:.2f}s), {res['tokens']:.0f} "
+          f"generated tokens/batch, staleness max {res['staleness']:.0f}, "
+          f"{len(rows)} steps in {res['wall']:.0f}s with start-up; load {loadavg()}", flush=True)
+    res["mode"] = mode
+    return [res]
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}s [{min(xs):.2f}-{max(xs):.2f}]"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--skip", type=int, default=3, help="first steps of a run left out")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=2, help="groups per batch")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--record", default="", help="JSONL file: add this invocation's runs to it "
+                    "and report over every run it holds (e.g. 3 x --runs 1, each under the lock)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        sync_s, sync_idle = run(0, args, Path(d))
-        async_s, async_idle = run(2, args, Path(d))
-    print(json.dumps({"bench": "async_speedup", "ours": round(async_s, 2),
-                      "baseline": round(sync_s, 2), "ratio": round(sync_s / async_s, 2),
-                      "trainer_idle_sync": round(sync_idle, 3),
-                      "trainer_idle_async": round(async_idle, 3)}))
+    load0 = loadavg()
+    res: dict[str, list[dict]] = {"sync": [], "async": []}
+    if args.record and Path(args.record).exists():
+        for line in Path(args.record).read_text().splitlines():
+            r = json.loads(line)
+            res[r["mode"]].append(r)
+        print(f"{len(res['sync'])} sync and {len(res['async'])} async runs from {args.record}")
+    with tempfile.TemporaryDirectory() as d, ray_head() as address:
+        model, tasks, stops = make_workload(Path(d), args)
+        print(f"workload: {args.groups} groups x {args.group_size} episodes a batch, policy "
+              f"hidden {args.hidden} x {args.layers} layers (fresh init, byte vocabulary), "
+              f"max_tokens {args.max_tokens}, stop ids {stops} + end of turn; engine on core 0, "
+              f"trainer on core 1, one torch thread each; {args.runs} runs each, alternating, "
+              f"{args.steps} steps a run, first {args.skip} left out; load before {load0}",
+              flush=True)
+        first = len(res["sync"])  # runs already recorded: new seeds for these
+        for i in range(first, first + args.runs):
+            for mode in ("sync", "async"):
+                got = run(mode, args, model, tasks, stops, Path(d) / "runs", i, address)
+                res[mode] += got
+                if args.record:
+                    with open(args.record, "a") as f:
+                        f.write(json.dumps({**got[0], "load": loadavg()}) + "\n")
+    s, a = res["sync"], res["async"]
+    gen = [r["wait"] for r in s]
+    train = [r["train"] + r["sync"] for r in s]
+    sync_step = [r["step"] for r in s]
+    async_step = [r["step"] for r in a]
+    g, t = statistics.median(gen), statistics.median(train)
+    ss, as_ = statistics.median(sync_step), statistics.median(async_step)
+    ratio, eff = ss / as_, max(g, t) / as_
+    print(f"generation alone {spread(gen)} | training alone (step + publish) {spread(train)}")
+    print(f"sync step {spread(sync_step)} | async step {spread(async_step)} | ratio {ratio:.2f} "
+          f"(goal >= 1.6) | pipeline efficiency {eff:.2f} (goal >= 0.85)")
+    pause = max(r["pause"] for r in a)
+    worst = max(a, key=lambda r: r["pause"])
+    budget = worst["decode"] + worst["swap"]
+    excess = max(r["excess"] for r in a)
+    over = max(r["over"] for r in a)
+    print(f"in-flight weight swaps: longest pause of a running sequence {pause * 1e3:.1f} ms vs the "
+          f"median decode step ({worst['decode'] * 1e3:.1f} ms) + the last swap "
+          f"({worst['swap'] * 1e3:.1f} ms) = {budget * 1e3:.1f} ms -> "
+          f"{'below' if pause < budget else 'NOT below'}; per swap, against that swap + the "
+          f"decode step right before it (same rows): {over * 1e3:+.1f} ms at worst "
+          f"({'below' if over < 0 else 'NOT below'}); beyond the swap + the step right after "
+          f"it: {excess * 1e3:.2f} ms at most")
+    print(f"load before {load0}, after {loadavg()} (2-core box shared with other engineers: "
+          "figures are noisy)")
+    print(json.dumps({"bench": "async_speedup", "ours": round(as_, 3), "baseline": round(ss, 3),
+                      "ratio": round(ratio, 3), "efficiency": round(eff, 3),
+                      "gen_alone_s": round(g, 3), "train_alone_s": round(t, 3),
+                      "sync_pause_ms": round(pause * 1e3, 2),
+                      "sync_pause_budget_ms": round(budget * 1e3, 2),
+                      "sync_pause_excess_ms": round(excess * 1e3, 2),
+                      "sync_pause_over_step_before_ms": round(over * 1e3, 2),
+                      "runs": [len(s), len(a)], "load": loadavg()}))
 
 
 if __name__ == "__main__":

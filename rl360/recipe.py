@@ -74,6 +74,9 @@ class EngineSection(_S):
     weight_update: Literal["auto", "inflight", "drain"] = "auto"
     # torch backend: MB of K/V that finished sequences leave for the next turn (LRU); 0 = off
     prefix_cache_mb: Annotated[float, Meta(ge=0.0, le=1048576.0)] = 256.0
+    # torch backend: pin every replica's threads to these CPU cores (Linux); [] = no pinning.
+    # Keeps an engine off the trainer's cores (or emulates separate machines on one host)
+    cpu_affinity: list[Annotated[int, Meta(ge=0, le=65535)]] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.weight_update == "inflight" and self.backend in ("vllm", "sglang"):
@@ -127,6 +130,8 @@ class SamplingSection(_S):
     top_p: Prob = 1.0
     top_k: NonNegInt = 0
     max_tokens: PosInt = 256
+    # token ids that end a completion besides the tokenizer's end of turn (the stop token is kept)
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] = msgspec.field(default_factory=list)
 
 
 class SandboxLimits(_S):
@@ -257,6 +262,8 @@ class TrainerSection(_S):
     adam_eps: Annotated[float, Meta(gt=0.0)] = 1e-8
     gradient_checkpointing: bool = False
     threads: NonNegInt = 0  # torch intra-op threads per rank; 0 = one per reserved CPU
+    # torch/fsdp: pin every rank's threads to these CPU cores (Linux); [] = no pinning
+    cpu_affinity: list[Annotated[int, Meta(ge=0, le=65535)]] = msgspec.field(default_factory=list)
     # pass the padding mask to the model. A causal LM with right padding does not need it
     # (a real token never attends to a later pad) and runs faster without it.
     attention_mask: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -258,6 +259,11 @@ class TrainRun:
                 "staleness_mean": st_mean, "staleness_max": st_max, "staleness_hist": hist,
                 "trainer_idle_frac": t_wait / step_s if step_s else 0.0,
                 "engine_idle_frac": engine_idle,
+                # torch engine, in-flight updates: the longest token gap of a running sequence
+                # across a weight swap so far, and the swap / decode step it compares with
+                **_engine_max(engines, ("sync_pause_max_s", "sync_pause_excess_max_s",
+                                       "sync_pause_over_budget_max_s", "last_swap_s",
+                                       "step_median_s")),
                 "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
                 "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
                 "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
@@ -323,6 +329,17 @@ class TrainRun:
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
                                actors.controller, self.recipe.train.keep_checkpoints, self.ledger)
+
+
+def _engine_max(engines: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:
+    """`engine_<key>`: the largest value over the replicas that report `key`."""
+    out = {}
+    for k in keys:
+        vals = [h[k] for h in engines.values()
+                if isinstance(h.get(k), int | float) and math.isfinite(h[k])]
+        if vals:
+            out[f"engine_{k}"] = float(max(vals))
+    return out
 
 
 def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validate_samples
-from rl360.policies.devices import Placement, select_device
+from rl360.policies.devices import Placement, pin_to_cpus, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
 from rl360.recipe import TrainerSection
@@ -106,6 +106,7 @@ class TorchTrainer:
         self.temperature = temperature
         self.seed = seed
         self.model_path = Path(model_path)
+        pin_to_cpus(config.cpu_affinity, "trainer.cpu_affinity")
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         torch.manual_seed(seed)

@@ -82,3 +82,30 @@ def test_trainer_steps_on_the_gpu(tiny_dir: Path, make_samples) -> None:  # type
     m = t.train_step(Batch(samples=make_samples(4, seed=1)))
     assert m["skipped"] == 0.0 and m["step"] == 1.0
     assert all(v.device.type == "cpu" for v in t.state_dict_for_sync().values())
+
+
+def test_cpu_pinning_covers_threads_started_before_and_after() -> None:
+    """engine/trainer.cpu_affinity: every thread of the process (torch's pools started earlier
+    included) ends up on the given cores. Run in a child process: pinning is process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, threading, time\n"
+        "from rl360.policies.devices import pin_to_cpus\n"
+        "ev = threading.Event()\n"
+        "t = threading.Thread(target=ev.wait, daemon=True); t.start()\n"
+        "pin_to_cpus([0], 'engine.cpu_affinity')\n"
+        "later = threading.Thread(target=ev.wait, daemon=True); later.start()\n"
+        "print(sorted({tuple(sorted(os.sched_getaffinity(int(x)))) for x in os.listdir('/proc/self/task')}))\n"
+        "ev.set()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[(0,)]"
+
+
+def test_cpu_pinning_to_a_missing_core_names_the_key() -> None:
+    from rl360.policies.devices import pin_to_cpus
+
+    pin_to_cpus([], "engine.cpu_affinity")  # no pinning asked: nothing happens
+    with pytest.raises(ValueError, match=r"^trainer.cpu_affinity: no CPU core 4096 on this host"):
+        pin_to_cpus([0, 4096], "trainer.cpu_affinity")

@@ -13,9 +13,13 @@ thread runs decode steps back to back instead of handing back after each one.
 
 Weight updates: `weight_update = "inflight"` swaps weights between two decode steps without
 waiting for running sequences, so a sequence may span versions and each token carries the
-version that sampled it (`Generation.token_versions`); `"drain"` stops admitting, waits until
-the running rows finish, then swaps (every sequence has one version). Either way the prefix
-cache is cleared. The logprob of each token is its log-probability under the distribution it
+version that sampled it (`Generation.token_versions`). The swap runs on the engine thread at the
+start of its next step, inside a decode burst (the loop is not woken, no thread hand-off), and
+that step decodes only the running rows: a running sequence waits for the swap plus one decode
+step, no more. `sync_log` / the `sync_pause_max_s` stat record, per swap, the longest gap
+between two tokens of a row that ran across it (measured on the engine thread). `"drain"` stops
+admitting, waits until the running rows finish, then swaps (every sequence has one version).
+Either way the prefix cache is cleared. The logprob of each token is its log-probability under the distribution it
 was sampled from (after temperature, top-k and top-p; the raw distribution for greedy).
 """
 
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,7 +39,7 @@ from typing import Any
 
 import torch
 
-from rl360.policies.devices import place_for_generation, select_device
+from rl360.policies.devices import pin_to_cpus, place_for_generation, select_device
 from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
@@ -74,6 +80,7 @@ class _Update:
     version: int
     state: Any
     done: asyncio.Future[bool]
+    arrived: float = 0.0  # perf_counter when it was queued
 
 
 def load_causal_lm(model: str, dtype: str, num_gpus: float = 0.0) -> tuple[Any, Any]:
@@ -97,6 +104,7 @@ class TorchBackend:
         loading `model_cfg.path`."""
         if model_cfg.dtype not in _DTYPES:
             raise ValueError(f"model.dtype {model_cfg.dtype!r} not in {sorted(_DTYPES)}")
+        pin_to_cpus(engine.cpu_affinity, "engine.cpu_affinity")
         if engine.threads > 0:
             torch.set_num_threads(engine.threads)
         self.engine_cfg, self.model_cfg = engine, model_cfg
@@ -111,7 +119,9 @@ class TorchBackend:
         self._version = 0
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request] = []  # row i lives in KV slot i
-        self._updates: deque[_Update] = deque()
+        self._updates: deque[_Update] = deque()  # appended by the loop, taken by the engine thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fatal: BaseException | None = None  # a packed load failed half-way: stop serving
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._paused = False
@@ -120,15 +130,17 @@ class TorchBackend:
         self._failure: BaseException | None = None
         self._stats: dict[str, Any] = {
             "batches": 0, "steps": 0, "requests": 0, "tokens": 0, "cancelled": 0,
-            "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_swap_s": 0.0,
-            "sync_pause_max_s": 0.0,
+            "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_swap_s": 0.0, "last_update_wait_s": 0.0,
+            "sync_pause_max_s": 0.0, "sync_pause_excess_max_s": 0.0,
+            "sync_pause_over_budget_max_s": float("-inf"),
         }
         self.step_times: deque[float] = deque(maxlen=4096)  # seconds of the latest steps
-        # per in-flight swap with rows running: {"version", "swap_s", "pause_s", "step_s"}
-        # (pause: the longest gap between two tokens of a row across it; step: the step after)
+        # per in-flight swap with rows running: {"version", "swap_s", "pause_s", "step_s",
+        # "step_before_s", "wait_s", "rows", "steps_across"} (pause: the longest gap between two
+        # tokens of a row across it; step / step_before: the decode steps right after / before
+        # it; wait: from the update's arrival to the swap's start; steps_across: engine steps
+        # between a row's last old and first new token)
         self.sync_log: deque[dict[str, float]] = deque(maxlen=256)
-        # running rows' token times just before the last in-flight swap (pause measurement)
-        self._pause_probe: tuple[dict[int, float], float] | None = None
         # all model work on ONE long-lived thread: torch's intra-op pool and the allocator's
         # arenas are per calling thread, and hopping between executor threads made a batch
         # ~15x slower (and the process 4 GB larger) inside a Serve replica
@@ -157,8 +169,11 @@ class TorchBackend:
         if hasattr(state, "__await__") and not isinstance(state, dict):
             state = await state  # a Ray ObjectRef
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._updates.append(_Update(version, state, done))
-        self._poke()
+        self._updates.append(_Update(version, state, done, time.perf_counter()))
+        if self.weight_update == "inflight":
+            self._wake.set()  # no interrupt: a decode burst takes it before its next step
+        else:
+            self._poke()
         return await done
 
     async def pause(self) -> None:
@@ -182,6 +197,8 @@ class TorchBackend:
             "weight_update": self.weight_update,
             "uptime_s": time.monotonic() - self._started,
             "torch_threads": torch.get_num_threads(),
+            "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+            "step_median_s": statistics.median(list(self.step_times)) if self.step_times else 0.0,
             "kv_bytes": self.runner.kv.nbytes,
             "prefix_entries": len(self.prefix),
             "prefix_bytes": self.prefix.nbytes,
@@ -208,6 +225,7 @@ class TorchBackend:
         if self._failure is not None:
             raise RuntimeError(f"engine loop failed earlier: {self._failure!r}")
         self._wake = self._wake or asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.get_running_loop().create_task(
             self._engine_loop(), name="rl360-torch-engine-loop"
         )
@@ -228,11 +246,10 @@ class TorchBackend:
         assert self._wake is not None
         loop = asyncio.get_running_loop()
         while True:
-            swapped = await self._apply_updates()
+            if self._updates and not self._rows:  # idle (or drained): swap now, on the thread
+                await loop.run_in_executor(self._executor, self._swap_pending)
             gone = [i for i, r in enumerate(self._rows) if r.future.done()]
-            # right after an in-flight swap the running rows decode first: new prompts' prefill
-            # waits one step, so a swap delays a running sequence by the swap and one decode step
-            admit = [] if swapped and self._rows else self._admit()
+            admit = self._admit()
             if not admit and not self._rows:
                 self._wake.clear()
                 if (self._waiting and not self._paused) or self._updates:
@@ -243,9 +260,10 @@ class TorchBackend:
                 continue
             self._interrupt = False
             try:
-                done, dt = await loop.run_in_executor(
-                    self._executor, self._steps, gone, admit, self._version, not swapped)
+                done = await loop.run_in_executor(self._executor, self._steps, gone, admit)
             except Exception as exc:  # a failed step fails its rows, not the engine
+                if self._fatal is not None:
+                    raise
                 log.exception("engine step failed with %d rows", len(self._rows) + len(admit))
                 for r in self._rows + admit:
                     if not r.future.done():
@@ -254,7 +272,6 @@ class TorchBackend:
                 await loop.run_in_executor(self._executor, self.runner.kv.release)
                 continue
             self._stats["batches"] += bool(admit)
-            self._measure_pause(done, dt)
             for r in done:
                 self._finish(r)
 
@@ -268,55 +285,66 @@ class TorchBackend:
                 admit.append(r)
         return admit
 
-    async def _apply_updates(self) -> bool:
-        """Apply the pending updates that may go now; True when weights changed."""
-        swapped = False
+    def _swap_pending(self) -> float | None:
+        """On the engine thread: apply the updates that may go now (in drain mode only with no
+        row running). Returns the seconds the swaps took, None when none was applied."""
+        took: float | None = None
         while self._updates:
             if self.weight_update == "drain" and self._rows:
-                return swapped  # admissions are closed; the running rows finish first
+                return took  # admissions are closed; the running rows finish first
             u = self._updates.popleft()
             if u.version <= self._version:
                 log.warning("ignoring weight update to version %d: this replica already serves %d",
                             u.version, self._version)
-                _settle(u.done, False)
+                self._settle(u.done, False)
                 continue
-            before = {id(r): r.t_last for r in self._rows}
             t0 = time.perf_counter()
+            self._stats["last_update_wait_s"] = t0 - u.arrived
             # a PackedUpdate (rl360.serve.weights.packing) loads itself in place, checked
             packed = hasattr(u.state, "apply_to")
-            load = u.state.apply_to if packed else self._load_state
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, load, self.model if packed else u.state)
+                u.state.apply_to(self.model) if packed else self._load_state(u.state)
             except Exception as exc:
-                if not u.done.done():  # the caller may have gone away
-                    u.done.set_exception(exc)
+                self._settle(u.done, exc)
                 if packed:  # parameters may be partly written: end the loop, fail its rows
+                    self._fatal = exc
                     raise
                 continue
             swap = time.perf_counter() - t0
+            took = (took or 0.0) + swap
             self._version = u.version
             self.prefix.clear()  # its K/V came from the old weights
             self._stats["updates"] += 1
             self._stats["last_swap_s"] = swap
-            if before:
-                self._pause_probe = (before, swap)
-            log.info("weights -> version %d in %.3fs (%d rows running)", u.version, swap, len(before))
-            _settle(u.done, True)
-            swapped = True
-        return swapped
+            log.info("weights -> version %d in %.3fs (%d rows running)", u.version, swap,
+                     len(self._rows))
+            self._settle(u.done, True)
+        return took
 
-    def _measure_pause(self, done: list[_Request], step_s: float) -> None:
+    def _settle(self, fut: asyncio.Future[bool], value: bool | BaseException) -> None:
+        """Settle an update's future from the engine thread (on the loop's thread)."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(_settle, fut, value)
+
+    def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
+                      step_before: float, step_s: float, done: list[_Request]) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
-        if self._pause_probe is None:
+        rows = [r for r in self._rows + done if id(r) in before]
+        if not rows:
             return
-        before, swap = self._pause_probe
-        self._pause_probe = None
-        gaps = [r.t_last - before[id(r)] for r in self._rows + done if id(r) in before]
-        if gaps:
-            self._stats["sync_pause_max_s"] = max(self._stats["sync_pause_max_s"], max(gaps))
-            self.sync_log.append({"version": self._version, "swap_s": swap,
-                                  "pause_s": max(gaps), "step_s": step_s})
+        pause = max(r.t_last - before[id(r)][0] for r in rows)
+        across = max(len(r.out_ids) - before[id(r)][1] for r in rows)
+        self._stats["sync_pause_max_s"] = max(self._stats["sync_pause_max_s"], pause)
+        # beyond the swap and the step right after it (the engine's own hand-offs; ~0), and
+        # beyond the swap and one decode step of the same rows (the one right before it)
+        self._stats["sync_pause_excess_max_s"] = max(self._stats["sync_pause_excess_max_s"],
+                                                     pause - swap - step_s)
+        self._stats["sync_pause_over_budget_max_s"] = max(
+            self._stats["sync_pause_over_budget_max_s"], pause - swap - step_before)
+        self.sync_log.append({"version": self._version, "swap_s": swap, "pause_s": pause,
+                              "step_s": step_s, "step_before_s": step_before,
+                              "wait_s": wait, "rows": len(rows),
+                              "steps_across": across})
 
     def _finish(self, r: _Request) -> None:
         self._stats["requests"] += 1
@@ -348,23 +376,39 @@ class TorchBackend:
             for k, v in state.items():
                 own[k].copy_(torch.as_tensor(v).to(own[k].dtype))
 
-    def _steps(self, gone: list[int], admit: list[_Request], version: int,
-               burst: bool) -> tuple[list[_Request], float]:
-        """One step, then (with `burst`) more decode steps on the same thread while nothing
-        needs the loop: no row finished and no request, update or cancellation arrived (each
-        sets `_interrupt`). Saves two thread hand-offs per token on a busy CPU. Returns the
-        finished rows and the first step's seconds."""
-        done = self._timed_step(gone, admit, version)
-        first = self._stats["last_step_s"]
+    def _steps(self, gone: list[int], admit: list[_Request]) -> list[_Request]:
+        """One step, then more decode steps on the same thread while nothing needs the loop:
+        no row finished and no request or cancellation arrived (each sets `_interrupt`; an
+        in-flight weight update does not: the next step applies it). Saves two thread
+        hand-offs per token on a busy CPU. Returns the finished rows."""
+        done = self._timed_step(gone, admit)
         n = 1
-        while burst and not done and self._rows and not self._interrupt and n < _MAX_BURST:
-            done = self._timed_step([], [], version)
+        while not done and self._rows and not self._interrupt and n < _MAX_BURST:
+            done = self._timed_step([], [])
             n += 1
-        return done, first
+        return done
 
-    def _timed_step(self, gone: list[int], admit: list[_Request], version: int) -> list[_Request]:
+    def _timed_step(self, gone: list[int], admit: list[_Request]) -> list[_Request]:
+        """One engine step; in-flight mode first applies any pending weight update here, on
+        the engine thread. Right after such a swap the running rows decode alone (new prompts
+        prefill in a step of their own), so the swap delays a running sequence by the swap
+        and one decode step."""
+        if self.weight_update == "inflight" and self._updates and self._rows:
+            wait_from = self._updates[0].arrived
+            before = {id(r): (r.t_last, len(r.out_ids)) for r in self._rows}
+            step_before = self._stats["last_step_s"]
+            t_swap = time.perf_counter()
+            swap = self._swap_pending()
+            if swap is not None:
+                done = self._one_step(gone, [])
+                self._record_pause(before, swap, t_swap - wait_from, step_before,
+                                   self._stats["last_step_s"], done)
+                return done + (self._one_step([], admit) if admit else [])
+        return self._one_step(gone, admit)
+
+    def _one_step(self, gone: list[int], admit: list[_Request]) -> list[_Request]:
         t0 = time.perf_counter()
-        done = self._step(gone, admit, version)
+        done = self._step(gone, admit, self._version)
         dt = time.perf_counter() - t0
         self._stats["busy_s"] += dt
         self._stats["last_step_s"] = dt
@@ -448,8 +492,12 @@ class TorchBackend:
             r.finish_reason = "length"
 
 
-def _settle(fut: asyncio.Future[bool], value: bool) -> None:
-    if not fut.done():  # an update whose caller went away still applies; nobody to tell
+def _settle(fut: asyncio.Future[bool], value: bool | BaseException) -> None:
+    if fut.done():  # an update whose caller went away still applies; nobody to tell
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
         fut.set_result(value)
 
 

@@ -154,3 +154,57 @@ def test_unsupported_model_type_is_refused_in_one_line() -> None:
 
     with pytest.raises(ValueError, match="model type 'gpt2' is not supported"):
         check_supported(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
+
+
+class _HeldUpdate:
+    """A packed-style update (`apply_to`) that records where it ran and holds the swap until
+    the test lets it go, so the test can act while the weights are changing."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        import threading
+
+        self.state = state
+        self.started, self.release = threading.Event(), threading.Event()
+        self.thread = ""
+
+    def apply_to(self, model) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        self.thread = threading.current_thread().name
+        self.started.set()
+        assert self.release.wait(60)
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(self.state[k])
+
+
+async def test_inflight_swap_runs_on_the_engine_thread_between_two_decode_steps(lm) -> None:  # type: ignore[no-untyped-def]
+    """In-flight mode: the swap happens on the engine thread inside its decode loop; a running
+    sequence gets its next token one step after the swap (its tokens carry both versions), and
+    a request that arrives while the weights change waits for nobody's sequence to finish."""
+    model, tok = load_causal_lm(str(lm[0].name_or_path), "float32")
+    be = TorchBackend(EngineSection(batch_wait_ms=0), ModelSection(), model=model, tokenizer=tok)
+    sp = SamplingParams(temperature=0.0, max_tokens=200)
+    long = asyncio.create_task(be.generate([1, 2, 3], sp))
+    await until(lambda: be.health()["steps"] >= 5)
+    upd = _HeldUpdate({k: v + 0.2 * torch.randn_like(v) for k, v in model.state_dict().items()})
+    update = asyncio.create_task(be.update_weights(1, upd))
+    await until(upd.started.is_set)
+    # weights are changing now; a new request arrives meanwhile
+    late = asyncio.create_task(be.generate([4, 5], SamplingParams(temperature=0.0, max_tokens=3)))
+    await asyncio.sleep(0.01)
+    assert not long.done() and not late.done()
+    upd.release.set()
+    assert await update
+    assert upd.thread.startswith("rl360-torch-engine")  # the engine thread itself swapped
+    short = await late
+    assert not long.done(), "the new request waited for the running sequence"
+    assert set(short.token_versions) == {1}
+    gen = await long
+    switch = gen.token_versions.index(1)
+    assert switch >= 5 and gen.token_versions == [0] * switch + [1] * (200 - switch)
+    (entry,) = be.sync_log
+    assert entry["version"] == 1 and entry["rows"] == 1
+    assert entry["steps_across"] == 1  # the row's next token came from the step right after
+    assert entry["pause_s"] >= entry["swap_s"] > 0
+    assert be.health()["sync_pause_max_s"] == entry["pause_s"]
