@@ -70,7 +70,10 @@ def test_a_minibatch_step_does_not_depend_on_the_micro_batch_split(
         results.append((m["loss"], {k: v.detach().clone() for k, v in t.model.state_dict().items()}))
     (l1, w1), (l2, w2) = results
     assert l1 == pytest.approx(l2, rel=1e-5)
-    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+    # Adam divides by sqrt(v): where a gradient is ~1e-8, float summation-order noise between
+    # the two splits moves that weight by up to ~1e-5 after 4 steps (seen: 1.04e-5); a wrong
+    # split (a micro batch weighted by its own token count) moves weights by ~lr = 1e-3
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-4
 
 
 @pytest.mark.parametrize("loss", [{"name": "reinforce"}, {"name": "ppo", "tis_cap": 0.0}])
