@@ -11,7 +11,7 @@ resumed run's first step, which includes starting Ray, Serve and the actors agai
 
     .venv/bin/python bench/faults.py [--steps 10] [--gap 2] [--kill-after 2]
 
-Run it under the bench lock (flock /work/wt/bench.lock ...). Last line:
+Run it alone on the machine (its runs are timed). Last line:
 {"bench": "faults", "lost": <total>, "duplicated": <total>, "episodes_rerun": ..., "faults": [...]}
 """
 
