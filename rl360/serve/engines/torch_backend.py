@@ -72,6 +72,7 @@ class _Request:
     prefix_len: int = 0  # of those, reused from the prefix cache
     prefix_kv: Any = None  # the prefix cache's K/V for it, until loaded into its slot
     joined_step: int = -1  # engine step that prefilled it
+    kv_version: int = -1  # weights that computed its oldest K/V (the prompt's, cached or not)
     t_last: float = 0.0  # when its newest token was sampled
 
 
@@ -434,6 +435,7 @@ class TorchBackend:
                 seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(62)
                 r.generator = torch.Generator().manual_seed(seed)
                 r.joined_step = step
+                r.kv_version = version  # the cache holds only K/V of the weights now served
                 r.prefix_len, r.prefix_kv = self.prefix.lookup(r.prompt_ids)
             first = old
             for chunk in split_by_length(admit, key=lambda r: len(r.prompt_ids) - r.prefix_len):
@@ -453,7 +455,12 @@ class TorchBackend:
         finished = [self._rows[i] for i in done]
         for i in done:
             r = self._rows[i]
-            if self.prefix.budget and r.kv_len >= self.prefix.min_tokens:
+            # a row that ran across an in-flight swap holds K/V of the old weights: caching it
+            # would let later requests (a group's next member, the next pass over the task)
+            # sample from a prompt encoded by weights no longer served, while their tokens are
+            # tagged with the new version
+            if (self.prefix.budget and r.kv_len >= self.prefix.min_tokens
+                    and r.kv_version == self._version):
                 self.prefix.insert((r.prompt_ids + r.out_ids)[: r.kv_len], self.runner.kv.export(i, r.kv_len))
         self._remove(done)
         return finished

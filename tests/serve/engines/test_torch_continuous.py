@@ -132,6 +132,32 @@ async def test_inflight_update_tags_later_tokens_with_the_new_version(lm) -> Non
     assert be.health()["sync_pause_max_s"] > 0
 
 
+async def test_a_sequence_that_ran_across_a_swap_leaves_no_kv_in_the_prefix_cache(lm) -> None:  # type: ignore[no-untyped-def]
+    """Its prompt's K/V came from the old weights: cached, it would make the next request with
+    that prompt (a group's next member) sample from the old encoding under a new version tag."""
+    model, tok = load_causal_lm(str(lm[0].name_or_path), "float32")
+    be = TorchBackend(EngineSection(batch_wait_ms=0), ModelSection(), model=model, tokenizer=tok)
+    prompt, sp = list(range(40, 70)), SamplingParams(temperature=0.0, max_tokens=40)
+    new_state = {k: v + 0.2 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    run = asyncio.create_task(be.generate(prompt, sp))
+    await until(lambda: be.health()["steps"] >= 5)
+    assert await be.update_weights(1, new_state)
+    assert not run.done() and set((await run).token_versions) == {0, 1}
+    assert be.health()["prefix_entries"] == 0
+    fresh_model, _ = load_causal_lm(str(lm[0].name_or_path), "float32")
+    fresh_model.load_state_dict(new_state)
+    fresh = TorchBackend(EngineSection(batch_wait_ms=0, prefix_cache_mb=0), ModelSection(),
+                         model=fresh_model, tokenizer=tok)
+    want = await fresh.generate(prompt, sp)
+    for _ in range(2):  # a miss, then a hit on the new weights' own K/V
+        got = await be.generate(prompt, sp)
+        assert got.token_ids == want.token_ids and set(got.token_versions) == {1}
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)) <= 1e-4
+    assert be.health()["prefix_hits"] == 1
+    await be.close()
+    await fresh.close()
+
+
 async def test_drain_update_waits_for_running_sequences(lm) -> None:  # type: ignore[no-untyped-def]
     model, tok = load_causal_lm(str(lm[0].name_or_path), "float32")
     be = TorchBackend(EngineSection(batch_wait_ms=0, weight_update="drain"), ModelSection(),
