@@ -50,6 +50,9 @@ async def test_requests_joining_a_running_batch_get_one_at_a_time_greedy_ids(lm)
         # each request arrives two steps after the previous one: every one joins a running batch
         await until(lambda i=i: be.health()["steps"] >= 2 * i)
         tasks.append(asyncio.create_task(be.generate(p, SamplingParams(temperature=0.0, max_tokens=n))))
+        # admitted before the next one is sent: a decode burst can run the step counter past
+        # 2 * (i + 1) before the engine thread hands back, and two requests would join together
+        await until(lambda i=i: be.health()["batches"] >= i + 1)
     together = await asyncio.gather(*tasks)
     assert [g.token_ids for g in together] == alone
     assert be.health()["batches"] == len(prompts), "each request should have joined on its own"
