@@ -19,7 +19,7 @@ from starlette.responses import Response
 from rl360.serve.search.index import Hit, Searcher, SearchIndex
 from rl360.serve.search.wire import SearchError, SearchRequest, SearchResponse, check_request
 
-_Item = tuple[tuple[str, ...], int, str]  # (queries, k, mode) of one request
+_Item = tuple[tuple[str, ...], int, str, bool]  # (queries, k, mode, snippets) of one request
 
 
 class SearchDeployment:
@@ -39,16 +39,16 @@ class SearchDeployment:
 
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002)
     async def _batched(self, items: list[_Item]) -> list[list[list[Hit]]]:
-        """One retrieval per (mode) over every query of the batch, at the batch's largest k;
-        each request gets its own queries' hits cut to its own k."""
-        by_mode: dict[str, list[int]] = defaultdict(list)
-        for i, (_, _, mode) in enumerate(items):
-            by_mode[mode].append(i)
+        """One retrieval per (mode, snippets) over every query of the batch, at the batch's
+        largest k; each request gets its own queries' hits cut to its own k."""
+        by_kind: dict[tuple[str, bool], list[int]] = defaultdict(list)
+        for i, (_, _, mode, snippets) in enumerate(items):
+            by_kind[(mode, snippets)].append(i)
         out: list[list[list[Hit]]] = [[] for _ in items]
-        for mode, idx in by_mode.items():
+        for (mode, snippets), idx in by_kind.items():
             flat = [q for i in idx for q in items[i][0]]
             k = max(items[i][1] for i in idx)
-            hits = await asyncio.to_thread(self.index.search, flat, k, mode)
+            hits = await asyncio.to_thread(self.index.search, flat, k, mode, snippets)
             pos = 0
             for i in idx:
                 n, ki = len(items[i][0]), items[i][1]
@@ -59,11 +59,12 @@ class SearchDeployment:
         return out
 
     async def search(self, queries: list[str], k: int | None = None,
-                     mode: str | None = None) -> list[list[Hit]]:
+                     mode: str | None = None, snippets: bool = True) -> list[list[Hit]]:
         """For DeploymentHandle callers (same rules as the HTTP route)."""
-        req = SearchRequest(queries=list(queries), k=k, mode=mode)  # type: ignore[arg-type]
+        req = SearchRequest(queries=list(queries), k=k, mode=mode,  # type: ignore[arg-type]
+                            snippets=snippets)
         qs = check_request(req)
-        return await self._batched((tuple(qs), self._k(req.k), req.mode or self.mode))
+        return await self._batched((tuple(qs), self._k(req.k), req.mode or self.mode, snippets))
 
     def _k(self, k: int | None) -> int:
         return min(self.max_k, k or self.default_k)
@@ -79,7 +80,7 @@ class SearchDeployment:
                 raise SearchError(f"mode {mode!r} needs a dense index; this one has none")
         except (msgspec.DecodeError, SearchError) as exc:
             return _error(400, str(exc))
-        hits = await self._batched((tuple(qs), self._k(req.k), mode))
+        hits = await self._batched((tuple(qs), self._k(req.k), mode, req.snippets))
         body = SearchResponse(hits=hits[0]) if req.query is not None else SearchResponse(results=hits)
         return Response(msgspec.json.encode(body), media_type="application/json")
 

@@ -3,7 +3,7 @@ embedding model is given, a dense inner-product index (faiss) over normalized em
 
     build_index("corpus.jsonl", "idx/", chunk_chars=1200, overlap=200, embed_model="minilm")
     index = SearchIndex.load("idx/")
-    index.search(["how do I sort a list"], k=5)     # -> [[Hit(id, doc_id, title, snippet, score)]]
+    index.search(["how do I sort a list"], k=5)     # -> [[Hit(id, doc_id, title, score, snippet)]]
 
 On disk: meta.json (format, settings, counts), chunks.jsonl (one Chunk a line, in index
 order), bm25/ (bm25s' own files) and, with a model, dense.faiss. Queries are tokenized exactly
@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 import numpy as np
 
+from rl360.serve.search import bm25_batch
 from rl360.serve.search.corpus import Chunk, chunk_documents, iter_documents
 
 FORMAT = 1
@@ -35,8 +36,8 @@ class Hit(msgspec.Struct, omit_defaults=True):
     id: str  # the chunk's id, "<doc id>#<n>"
     doc_id: str
     title: str
-    snippet: str
     score: float
+    snippet: str = ""  # left out (and off the wire) when the request asked for no snippets
 
 
 class SearchIndexError(ValueError):
@@ -46,7 +47,8 @@ class SearchIndexError(ValueError):
 class Searcher(Protocol):
     """What the search deployment serves; SearchIndex is the real one."""
 
-    def search(self, queries: Sequence[str], k: int, mode: Mode = "bm25") -> list[list[Hit]]: ...
+    def search(self, queries: Sequence[str], k: int, mode: Mode = "bm25",
+               snippets: bool = True) -> list[list[Hit]]: ...
 
 
 _SNIPPET_CACHE = 200_000  # snippets kept (~300 characters each)
@@ -182,17 +184,23 @@ class SearchIndex:
 
     def bm25_ranked(self, queries: Sequence[str], k: int,
                     toks: list[list[str]] | None = None) -> list[list[tuple[int, float]]]:
-        """(chunk index, score) per query, best first; only chunks with a positive score."""
+        """(chunk index, score) per query, best first; only chunks with a positive score. The
+        whole batch is scored at once (bm25_batch: bm25s' own scores and order)."""
         k = max(1, min(k, len(self.chunks)))
         toks = toks if toks is not None else tokenize(queries, self.stop)
         out: list[list[tuple[int, float]]] = [[] for _ in queries]
-        live = [i for i, t in enumerate(toks) if self.bm25.get_tokens_ids(t)]
+        ids = bm25_batch.token_ids(self.bm25, toks)
+        live = [i for i, q in enumerate(ids) if q]
         if not live:
             return out
-        docs, scores = self.bm25.retrieve([toks[i] for i in live], k=k, show_progress=False)
+        if bm25_batch.supports(self.bm25):
+            docs, scores = bm25_batch.topk(self.bm25, [ids[i] for i in live], k)
+        else:
+            docs, scores = self.bm25.retrieve([toks[i] for i in live], k=k, show_progress=False)
+        # scores are float32: rounded once here, as float64, for short wire numbers
+        drows, srows = docs.tolist(), np.round(scores.astype(np.float64), 6).tolist()
         for row, i in enumerate(live):
-            out[i] = [(int(d), float(s)) for d, s in zip(docs[row], scores[row], strict=True)
-                      if s > 0]
+            out[i] = [(d, s) for d, s in zip(drows[row], srows[row], strict=True) if s > 0]
         return out
 
     def dense_ranked(self, queries: Sequence[str], k: int) -> list[list[tuple[int, float]]]:
@@ -201,10 +209,14 @@ class SearchIndex:
         k = max(1, min(k, len(self.chunks)))
         vecs = self.embedder.encode(list(queries))
         scores, ids = self.dense.search(vecs, k)
-        return [[(int(d), float(s)) for d, s in zip(ids[r], scores[r], strict=True) if d >= 0]
+        return [[(int(d), round(float(s), 6)) for d, s in zip(ids[r], scores[r], strict=True)
+                 if d >= 0]
                 for r in range(len(queries))]
 
-    def search(self, queries: Sequence[str], k: int, mode: Mode = "bm25") -> list[list[Hit]]:
+    def search(self, queries: Sequence[str], k: int, mode: Mode = "bm25",
+               snippets: bool = True) -> list[list[Hit]]:
+        """Each query's hits, best first; `snippets=False` leaves the snippets out (ids,
+        titles and scores only: what a caller that fetches text itself needs)."""
         toks = tokenize(queries, self.stop)
         if mode == "bm25":
             ranked = self.bm25_ranked(queries, k, toks)
@@ -218,29 +230,34 @@ class SearchIndex:
                 for lst in (ra, rb):
                     for rank, (d, _) in enumerate(lst):
                         fused[d] = fused.get(d, 0.0) + 1.0 / (60 + rank + 1)
-                ranked.append(sorted(fused.items(), key=lambda x: (-x[1], x[0]))[:k])
-        out = []
-        for q in range(len(queries)):
-            terms = list(dict.fromkeys(toks[q]))
-            out.append([self._hit(d, s, terms) for d, s in ranked[q]])
-        return out
+                ranked.append([(d, round(f, 6)) for d, f in
+                               sorted(fused.items(), key=lambda x: (-x[1], x[0]))[:k]])
+        if not snippets:
+            chunks = self.chunks
+            return [[Hit(chunks[d].id, chunks[d].doc_id, chunks[d].title, score)
+                     for d, score in row] for row in ranked]
+        return [self._hits(ranked[q], toks[q]) for q in range(len(queries))]
 
-    def _hit(self, d: int, score: float, terms: list[str]) -> Hit:
-        c = self.chunks[d]
-        text = c.text
-        if len(text) <= self.snippet_chars:
-            snip = text
-        else:
-            pos = self._positions[d]
+    def _hits(self, ranked: list[tuple[int, float]], toks: list[str]) -> list[Hit]:
+        """One query's hits; a snippet is cut around the first of the query's words the chunk
+        holds, and kept by (chunk, that position): it depends on nothing else."""
+        terms = tuple(dict.fromkeys(toks))
+        chunks, positions, cache, chars = self.chunks, self._positions, self._snippets, self.snippet_chars
+        hits = []
+        for d, score in ranked:
+            c = chunks[d]
+            pos = positions[d]
             if pos is None:
-                pos = self._positions[d] = first_positions(text)
-            key = (d, min([pos[t] for t in terms if t in pos], default=0))
-            snip = self._snippets.get(key)  # type: ignore[assignment]
+                pos = positions[d] = first_positions(c.text)
+            at = min([pos[t] for t in terms if t in pos], default=0)
+            snip = cache.get((d, at))
             if snip is None:
-                if len(self._snippets) >= _SNIPPET_CACHE:
-                    self._snippets.clear()
-                snip = self._snippets[key] = snippet_at(text, key[1], self.snippet_chars)
-        return Hit(id=c.id, doc_id=c.doc_id, title=c.title, snippet=snip, score=round(score, 6))
+                if len(cache) >= _SNIPPET_CACHE:
+                    cache.clear()
+                snip = cache[(d, at)] = (c.text if len(c.text) <= chars
+                                         else snippet_at(c.text, at, chars))
+            hits.append(Hit(c.id, c.doc_id, c.title, score, snip))
+        return hits
 
 
 def as_float32(x: Any) -> np.ndarray:

@@ -16,6 +16,7 @@ class SearchRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
     queries: list[str] | None = None
     k: int | None = None  # None: the deployment's default_k; capped at its max_k
     mode: Literal["bm25", "dense", "hybrid"] | None = None
+    snippets: bool = True  # false: hits carry id, doc_id, title and score only
 
 
 class SearchResponse(msgspec.Struct, omit_defaults=True):

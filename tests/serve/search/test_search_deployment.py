@@ -54,6 +54,19 @@ def test_one_query_and_many_match_the_index_in_process(search_app, stdlib_index:
     assert len(results[0]) == 8 and results[2] == []
 
 
+def test_snippets_false_answers_the_same_hits_without_text(search_app, stdlib_index: Path) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    qs = ["sort a list in place", "context manager protocol"]
+    full = httpx.post(search_app.url, json={"queries": qs, "k": 5}, timeout=60).json()["results"]
+    r = httpx.post(search_app.url, json={"queries": qs, "k": 5, "snippets": False}, timeout=60)
+    assert r.status_code == 200, r.text
+    bare = r.json()["results"]
+    assert all(set(h) == {"id", "doc_id", "title", "score"} for row in bare for h in row)
+    assert [[{k: v for k, v in h.items() if k != "snippet"} for h in row] for row in full] == bare
+    assert bare[0] and full[0][0]["snippet"]
+
+
 def test_concurrent_requests_share_batches(search_app) -> None:  # type: ignore[no-untyped-def]
     import httpx
     from ray import serve

@@ -71,6 +71,53 @@ def test_results_equal_bm25s_in_process(stdlib_index: Path) -> None:
         assert [h.id for h in ours[q]] == want
 
 
+def test_batched_scoring_is_bm25s_bit_for_bit(stdlib_index: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch scorer against bm25s.retrieve on 3000 queries drawn from the corpus (repeated
+    words, one-word queries, words the index lacks), in slices smaller than the batch: the same
+    float32 scores at every rank, and the same documents except where scores tie, where ours
+    are the lowest-indexed of the tied documents, in index order."""
+    import random
+
+    import bm25s
+    import numpy as np
+
+    from rl360.serve.search import bm25_batch
+
+    idx = SearchIndex.load(stdlib_index)
+    rng = random.Random(7)
+    queries = []
+    for _ in range(3000):
+        words = rng.choice(idx.chunks).text.split()
+        q = rng.sample(words, min(len(words), rng.randint(1, 7)))
+        queries.append(" ".join(q + q[:1] if rng.random() < 0.2 else q) + " qqqzzz")
+    toks = tokenize(queries, idx.stop)
+    raw = bm25s.BM25.load(str(stdlib_index / "bm25"))
+    ids = bm25_batch.token_ids(raw, toks)
+    live = [i for i, q in enumerate(ids) if q]
+    assert len(live) > 2500 and bm25_batch.supports(raw)
+    want_d, want_s = raw.retrieve([toks[i] for i in live], k=10, show_progress=False)
+    monkeypatch.setattr(bm25_batch, "MAX_CELLS", 977 * len(idx.chunks))  # slices of 977 queries
+    got_d, got_s = bm25_batch.topk(raw, [ids[i] for i in live], 10)
+    assert np.array_equal(got_s, want_s)
+    differ = 0
+    for r in range(len(live)):
+        if list(got_d[r]) == list(want_d[r]):
+            continue
+        differ += 1
+        s, last = got_s[r], got_s[r][-1]
+        # above the last score the same documents per score; ours ordered by (-score, index)
+        for v in set(s[s > last].tolist()):
+            assert set(got_d[r][s == v]) == set(want_d[r][s == v])
+        pairs = [(-a, b) for a, b in zip(s, got_d[r], strict=True)]
+        assert pairs == sorted(pairs)
+        if r < 300:  # at the last score: the lowest-indexed of all documents that have it
+            full = raw.get_scores(toks[live[r]])
+            tied = np.flatnonzero(full == last) if last > 0 else np.flatnonzero(full <= 0)
+            assert list(got_d[r][s == last]) == list(tied[: int((s == last).sum())])
+    assert differ < len(live) // 5  # ties are the exception
+    assert bm25_batch.topk(raw, [ids[live[0]]], 10**6)[0].shape == (1, len(idx.chunks))
+
+
 def test_stdlib_corpus_holds_language_topics_and_module_docs(stdlib_index: Path) -> None:
     meta = json.loads((stdlib_index / "meta.json").read_text())
     assert meta["documents"] > 150 and meta["chunks"] > meta["documents"]
