@@ -3,14 +3,20 @@ serve.batch) vs bm25s in process on the same queries and index, and recall@10 of
 hits against the in-process ones (they must be identical).
 
     .venv/bin/python bench/search.py [--queries 2000] [--concurrency 64] [--batch 32]
-                                     [--replicas 1] [--index DIR]
+                                     [--replicas 1] [--index DIR] [--ingress haproxy|proxy]
+                                     [--snippets]
 
 Corpus: the Python stdlib's docs (`rl360 index stdlib-corpus`, built here unless --index).
 Queries: 3-6 words drawn (seeded) from random chunks. Baseline: one bm25s `retrieve` call over
-all queries (its batch mode, one thread), tokenizing included. Ours: `--concurrency` clients
-each sending requests of `--batch` queries (1 = one query per request, what an agent's tool
-call sends; both are measured). Median of 3 runs each, with the spread; the load average is
-printed. The last line is
+all queries (its batch mode, one thread), tokenizing included: ids and scores. Ours:
+`--concurrency` clients each sending requests of `--batch` queries (1 = one query per request,
+what an agent's tool call sends; both are measured), asking for the same ids and scores
+(`snippets: false`; `--snippets` asks for titles and snippets too), through the recipe's
+`serve.ingress` (`--ingress`, default haproxy: Serve's HAProxy ingress; proxy: Serve's Python
+proxy actor). Median of 3 runs each, with the spread; the load average is printed. Lists are
+compared with the baseline's: recall@k, and "identical": the same scores at every rank and the
+same documents at every score above the last one (at the k-th place a tie may be broken
+either way: ours keeps the lower index, bm25s whatever its partition leaves). The last line is
 {"bench": "search", "ours": <q/s at --batch>, "baseline": <q/s>, "ratio": ours/baseline, ...}
 """
 
@@ -52,7 +58,10 @@ def make_queries(index_dir: Path, n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def baseline(index_dir: Path, queries: list[str], k: int) -> tuple[float, list[list[str]]]:
+Ranked = list[tuple[str, float]]  # one query's (chunk id, score) list, best first
+
+
+def baseline(index_dir: Path, queries: list[str], k: int) -> tuple[float, list[Ranked]]:
     import bm25s
 
     from rl360.serve.search.index import SearchIndex, tokenize
@@ -62,29 +71,31 @@ def baseline(index_dir: Path, queries: list[str], k: int) -> tuple[float, list[l
     t0 = time.perf_counter()
     docs, scores = retriever.retrieve(tokenize(queries, idx.stop), k=k, show_progress=False)
     wall = time.perf_counter() - t0
-    ids = [[idx.chunks[int(d)].id for d, s in zip(drow, srow, strict=True) if s > 0]
-           for drow, srow in zip(docs, scores, strict=True)]
+    ids = [[(idx.chunks[int(d)].id, round(float(s), 6)) for d, s in zip(drow, srow, strict=True)
+            if s > 0] for drow, srow in zip(docs, scores, strict=True)]
     return len(queries) / wall, ids
 
 
 async def served(url: str, queries: list[str], k: int, conc: int, batch: int,
-                 warm: list[str]) -> tuple[float, list[list[str]]]:
+                 warm: list[str], snippets: bool) -> tuple[float, list[Ranked]]:
     import aiohttp
     import msgspec
 
     reqs = [queries[i : i + batch] for i in range(0, len(queries), batch)]
-    results: list[list[list[str]]] = [[] for _ in reqs]
+    results: list[list[Ranked]] = [[] for _ in reqs]
     nxt = iter(range(len(reqs)))
 
     async def worker(http: aiohttp.ClientSession) -> None:
         for i in nxt:
-            body = ({"query": reqs[i][0], "k": k} if batch == 1 else {"queries": reqs[i], "k": k})
+            body: dict[str, object] = ({"query": reqs[i][0]} if batch == 1
+                                       else {"queries": reqs[i]})
+            body.update(k=k, snippets=snippets)
             async with http.post(url, json=body) as r:
                 raw = await r.read()
                 assert r.status == 200, raw[:300]
                 data = msgspec.json.decode(raw)
             rows = [data["hits"]] if batch == 1 else data["results"]
-            results[i] = [[h["id"] for h in row] for row in rows]
+            results[i] = [[(h["id"], h["score"]) for h in row] for row in rows]
 
     conn = aiohttp.TCPConnector(limit=conc)
     async with aiohttp.ClientSession(connector=conn) as http:
@@ -104,10 +115,21 @@ async def served(url: str, queries: list[str], k: int, conc: int, batch: int,
     return len(queries) / wall, [row for rows in results for row in rows]
 
 
-def recall(ours: list[list[str]], base: list[list[str]]) -> tuple[float, float]:
-    """(mean recall@k of ours against base over queries with hits, fraction identical)."""
-    rec = [len(set(o) & set(b)) / len(b) for o, b in zip(ours, base, strict=True) if b]
-    same = sum(o == b for o, b in zip(ours, base, strict=True)) / len(base)
+def same_up_to_ties(o: Ranked, b: Ranked) -> bool:
+    """The same scores at every rank, and the same documents at each score above the last."""
+    if [s for _, s in o] != [s for _, s in b]:
+        return False
+    last = b[-1][1] if b else 0.0
+    return all({d for d, s in o if s == v} == {d for d, s in b if s == v}
+               for v in {s for _, s in b if s > last})
+
+
+def recall(ours: list[Ranked], base: list[Ranked]) -> tuple[float, float]:
+    """(mean recall@k of ours against base over queries with hits, fraction identical up to
+    ties at the k-th place)."""
+    rec = [len({d for d, _ in o} & {d for d, _ in b}) / len(b)
+           for o, b in zip(ours, base, strict=True) if b]
+    same = sum(same_up_to_ties(o, b) for o, b in zip(ours, base, strict=True)) / len(base)
     return sum(rec) / len(rec), same
 
 
@@ -124,14 +146,24 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--index", default="")
+    ap.add_argument("--ingress", choices=("haproxy", "proxy"), default="haproxy")
+    ap.add_argument("--snippets", action="store_true",
+                    help="ask for titles and snippets too (the baseline returns ids and scores)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="rl360-bench-search-"))
     index_dir = Path(args.index) if args.index else build(tmp)
     queries = make_queries(index_dir, args.queries)
     print(f"workload: {len(queries)} queries per run (fresh ones each run: the replica's snippet "
           f"cache never sees a query twice), k={args.k}, index {index_dir} "
-          f"({json.loads((index_dir / 'meta.json').read_text())['chunks']} chunks); "
+          f"({json.loads((index_dir / 'meta.json').read_text())['chunks']} chunks), ingress "
+          f"{args.ingress}, snippets {'on' if args.snippets else 'off'}; "
           f"cpus {os.cpu_count()}; load before {open('/proc/loadavg').read().split()[:3]}")
+    from rl360.launch.ingress import check_ingress, ingress_env
+    from rl360.recipe import ServeSection
+
+    section = ServeSection(ingress=args.ingress)
+    check_ingress(section)
+    os.environ.update(ingress_env(section, local=True))  # before Ray starts: every process reads it
     import ray
     from ray import serve
 
@@ -160,27 +192,28 @@ def main() -> None:
             qps, base_ids = baseline(index_dir, queries, args.k)
             base_runs.append(qps)
             t0 = time.perf_counter()
-            idx.search(queries, args.k)
+            idx.search(queries, args.k, "bm25", args.snippets)
             full.append(len(queries) / (time.perf_counter() - t0))
             for batch in batches:
                 warm = make_queries(index_dir, args.concurrency * batch, seed=1000 + run)
                 qps, ids = asyncio.run(
-                    served(handles.url, queries, args.k, args.concurrency, batch, warm))
+                    served(handles.url, queries, args.k, args.concurrency, batch, warm,
+                           args.snippets))
                 runs[batch].append(qps)
                 recalls[batch].append(recall(ids, base_ids))
     finally:
         serve.shutdown()
         ray.shutdown()
     print(f"in process (bm25s.retrieve, 1 thread): {spread(base_runs)}")
-    print(f"for context, in process with titles and snippets (SearchIndex.search, what each "
-          f"replica runs per batch): {spread(full)}")
+    print(f"for context, in process (SearchIndex.search, what each replica runs per batch; "
+          f"snippets {'on' if args.snippets else 'off'}): {spread(full)}")
     report: dict[int, tuple[list[float], float, float]] = {}
     for batch in batches:
         rec, same = min(r for r, _ in recalls[batch]), min(x for _, x in recalls[batch])
         report[batch] = (runs[batch], rec, same)
         print(f"through Serve, {args.concurrency} clients x {batch} quer{'y' if batch == 1 else 'ies'}"
               f"/request, {args.replicas} replica(s): {spread(runs[batch])}; recall@{args.k} vs in "
-              f"process {rec:.4f}, identical lists {same:.4f} (worst run)")
+              f"process {rec:.4f}, identical up to ties {same:.4f} (worst run)")
     load = open("/proc/loadavg").read().split()[:3]
     print(f"load after {load} (a shared box: figures are noisy)")
     b = statistics.median(base_runs)
@@ -192,6 +225,7 @@ def main() -> None:
                       "ratio_vs_full": round(ours / statistics.median(full), 3),
                       "batch": args.batch,
                       "concurrency": args.concurrency, "replicas": args.replicas,
+                      "ingress": args.ingress, "snippets": args.snippets,
                       "single_query_ratio": round(single / b, 3), "recall_at_k": round(rec, 4),
                       "identical": round(same, 4), "load": load}))
 

