@@ -188,6 +188,10 @@ class EnvSection(_S):
     # "auto" means bwrap or a clear failure; true lets "auto" fall back to the process backend
     # (host user, host network and filesystem: no isolation at all) where bwrap cannot run
     allow_unsandboxed: bool = False
+    # pin every env actor's threads, and so the sandboxes and graders they start, to these CPU
+    # cores (Linux); [] = no pinning. With engine/trainer.cpu_affinity: keeps the rollout side
+    # (agent loops, grading) off the trainer's cores, or emulates separate machines on one host
+    cpu_affinity: list[Annotated[int, Meta(ge=0, le=65535)]] = msgspec.field(default_factory=list)
 
 
 class SearchSection(_S):

@@ -33,6 +33,7 @@ from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
 from rl360.envs.registry import build_env_for, resolve
 from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
+from rl360.policies.devices import pin_to_cpus
 from rl360.recipe import EnvSection, SandboxLimits
 from rl360.types import EpisodeRecord, Task, Trajectory
 
@@ -77,6 +78,7 @@ class EnvActor:
         """`env_cfg`: the recipe's [env] section; `sampling`: the default sampling of its
         episodes; the session shards by name (in `namespace`) and the server's base URL;
         `services`: what every env gets as `Env.services` (e.g. the search tool's URL)."""
+        pin_to_cpus(env_cfg.cpu_affinity, "env.cpu_affinity")  # sandboxes started later inherit it
         self.cfg = env_cfg
         self.services = dict(services or {})
         self.sampling = dict(sampling)
