@@ -237,12 +237,15 @@ class TrainRun:
                 transport.publish(self.version)
                 sync_s = time.monotonic() - t1
             assert self.traj_log is not None and self.evaluator is not None
+            t_log0 = time.monotonic()
             self.traj_log.write(batch, step)
             self.evaluator.maybe_start(step)  # on the policy just published; never waited for
+            t_status0 = time.monotonic()
             stats = ray.get(actors.buffer.take_recent_stats.remote())
             cstat = ray.get(actors.controller.status.remote())
             wstat = stack.serving.weight_status()
             step_s = time.monotonic() - t0
+            t_status = time.monotonic() - t_status0
             engines = wstat.get("engines", {})
             engine_idle = _engine_idle(engines, last_engine)
             engine_busy = _engine_busy(engines, last_engine)
@@ -274,6 +277,9 @@ class TrainRun:
                 # from the buffer as time/episode/*; bench/step_breakdown.py adds CPU time)
                 "time/rollout_wait_s": t_wait, "time/train_s": t_train, "time/sync_s": sync_s,
                 "time/bookkeeping_s": step_s - t_wait - t_train - sync_s,
+                # of which: the trajectory log + eval start, and the buffer / controller /
+                # publisher status calls (each waits for its actor's loop)
+                "time/log_s": t_status0 - t_log0, "time/status_s": t_status,
                 "time/engine_busy_s": engine_busy,
                 "samples": len(batch.members),
                 "is_ess_frac": m.get("is_ess_frac"), "sampler_kl": m.get("sampler_kl"),
