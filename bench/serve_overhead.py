@@ -168,13 +168,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="proxy",
+                    help="serve.ingress: Serve's Python proxy or its HAProxy ingress")
     args = ap.parse_args()
     per = args.requests if args.mode == "retry" else args.turns
     print(f"workload: mode {args.mode}, {args.sessions} concurrent sessions x {per} "
           f"{'requests' if args.mode == 'retry' else 'turns'}, max_tokens {args.max_tokens}, "
-          f"temperature 1.0, seeded; model tiny, torch threads {args.threads}; "
+          f"temperature 1.0, seeded; model tiny, torch threads {args.threads}; ingress "
+          f"{args.ingress}; "
           f"cpus {os.cpu_count()}; load before {open('/proc/loadavg').read().split()[:3]}")
 
+    from rl360.launch.ingress import check_ingress, ingress_env
     from rl360.launch.serve_app import start_serving, stop_serving
     from rl360.ray_session import ray_session
     from rl360.recipe import apply_overrides, decode_recipe
@@ -184,13 +188,15 @@ def main() -> None:
     loop.run_until_complete(direct.run(1))  # warm up
     recipe = decode_recipe(apply_overrides({}, [
         "engine.max_batch_size=64", "engine.batch_wait_ms=5.0", f"engine.threads={args.threads}",
-        "engine.num_cpus=1",
+        "engine.num_cpus=1", f"serve.ingress='{args.ingress}'",
     ]))
+    check_ingress(recipe.serve)
     d_runs: list[float] = []
     s_runs: list[float] = []
     d_cpu: list[float] = []  # tokens per CPU second
     s_cpu: list[float] = []
-    with ray_session(num_cpus=2, dashboard=False, namespace="rl360-bench"):
+    with ray_session(num_cpus=2, dashboard=False, namespace="rl360-bench",
+                     env_vars=ingress_env(recipe.serve, local=True)):
         h = start_serving(recipe)
         try:
             loop.run_until_complete(through_server(args, h.base_url, 1))  # warm up
@@ -224,7 +230,7 @@ def main() -> None:
                       "ratio_min": round(min(s_runs) / max(d_runs), 3),
                       "ratio_max": round(max(s_runs) / min(d_runs), 3),
                       "cpu_ratio": round(statistics.median(s_cpu) / statistics.median(d_cpu), 3),
-                      "load": load}))
+                      "ingress": args.ingress, "load": load}))
 
 
 if __name__ == "__main__":
