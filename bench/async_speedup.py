@@ -6,10 +6,13 @@ policy (byte-level vocabulary; a completion ends at the end-of-turn token or at 
 stop bytes, so lengths are long-tailed: most episodes are short, a few run to max_tokens), every
 answer is graded in the sandbox by the isolated test runner (bench/async_env.py), and the torch
 trainer takes a PPO step on every batch and publishes its weights to the engine. Disaggregated
-hardware is emulated on one host: the engine replica is pinned to core 0 and the trainer rank
-to core 1 (engine.cpu_affinity / trainer.cpu_affinity, one torch thread each); the controller,
-session shard, env actors, sandboxes, Ray and the driver float over both cores. The model and
-batch are sized so that a generation batch alone and a training step alone take similar time.
+hardware is emulated on one host: core 0 is the rollout machine, core 1 the trainer's. Ray's
+head is started on core 0, so every process it starts (engine replica, session shard, env
+actors and their sandboxes, controller, buffer, Serve) runs there, the driver pins itself
+there too, and the trainer rank moves itself to core 1 (trainer.cpu_affinity; engine and env
+actors are also pinned by their own keys; one torch thread each). The model, batch and the
+trainer's passes over a batch (`--epochs`, trainer.epochs) are sized so that a generation
+batch alone and a training step alone take similar time.
 
 From each run's steps (the first `--skip` left out: start-up and pipeline fill):
   - sync runs: generation alone = the time the trainer waits for a batch (nothing else runs),
@@ -50,6 +53,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])
 sys.path.insert(0, str(ROOT))
 
+ROLLOUT_CORE, TRAINER_CORE = 0, 1
 STOP_BYTES = ".\n"  # with <|im_end|>: 3 of 320 tokens end a completion
 TESTS = [  # tests over the answer text: about half of random answers pass each
     "assert len(set(answer())) % 2 == 0",
@@ -74,7 +78,9 @@ def ray_head(num_cpus: int = 2):  # type: ignore[no-untyped-def]
     proc = subprocess.Popen(
         [str(ray_cli), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
          "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        # the rollout machine: Ray's processes and every worker they start inherit core 0
+        preexec_fn=lambda: os.sched_setaffinity(0, {ROLLOUT_CORE}))
     address = f"127.0.0.1:{port}"
     try:
         import ray
@@ -128,11 +134,13 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
         f"model.path={json.dumps(str(model))}", "model.max_model_len=512",
         f"ray.address='{address}'", "ray.dashboard=false",
         "engine.backend='torch'", "engine.num_cpus=0.5", "engine.threads=1",
-        "engine.cpu_affinity=[0]", "engine.weight_update='inflight'", "engine.batch_wait_ms=2",
+        f"engine.cpu_affinity=[{ROLLOUT_CORE}]", "engine.weight_update='inflight'", "engine.batch_wait_ms=2",
         "engine.max_batch_size=64", "engine.prefix_cache_mb=0",
-        "trainer.num_cpus=0.5", "trainer.threads=1", "trainer.cpu_affinity=[1]",
+        "trainer.num_cpus=0.5", "trainer.threads=1", f"trainer.cpu_affinity=[{TRAINER_CORE}]",
+        f"trainer.epochs={args.epochs}",
         "trainer.lr=1e-5", f"trainer.micro_batch_size={args.group_size * args.groups}",
         "env.env='bench.async_env:AnswerTextEnv'", "env.actors=2", "env.episodes_per_actor=64",
+        f"env.cpu_affinity=[{ROLLOUT_CORE}]",
         "env.max_turns=1", "serve.session_shards=1",
         f"train.steps={args.steps}", f"train.group_size={args.group_size}",
         f"train.groups_per_batch={args.groups}", f"train.max_staleness={staleness}",
@@ -180,9 +188,12 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups", type=int, default=2, help="groups per batch")
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--epochs", type=int, default=1, help="trainer passes (optimizer steps) "
+                    "per batch: sizes a training step against a generation batch")
     ap.add_argument("--record", default="", help="JSONL file: add this invocation's runs to it "
                     "and report over every run it holds (e.g. 3 x --runs 1, each under the lock)")
     args = ap.parse_args()
+    os.sched_setaffinity(0, {ROLLOUT_CORE})  # the driver is part of the rollout machine
     load0 = loadavg()
     res: dict[str, list[dict]] = {"sync": [], "async": []}
     if args.record and Path(args.record).exists():
@@ -194,8 +205,9 @@ def main() -> None:
         model, tasks, stops = make_workload(Path(d), args)
         print(f"workload: {args.groups} groups x {args.group_size} episodes a batch, policy "
               f"hidden {args.hidden} x {args.layers} layers (fresh init, byte vocabulary), "
-              f"max_tokens {args.max_tokens}, stop ids {stops} + end of turn; engine on core 0, "
-              f"trainer on core 1, one torch thread each; {args.runs} runs each, alternating, "
+              f"max_tokens {args.max_tokens}, stop ids {stops} + end of turn, {args.epochs} "
+              f"trainer epoch(s) a batch; Ray, the driver, engine and env actors on core "
+              f"{ROLLOUT_CORE}, the trainer on core {TRAINER_CORE}, one torch thread each; {args.runs} runs each, alternating, "
               f"{args.steps} steps a run, first {args.skip} left out; load before {load0}",
               flush=True)
         first = len(res["sync"])  # runs already recorded: new seeds for these
