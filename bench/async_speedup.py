@@ -22,7 +22,7 @@ From each run's steps (the first `--skip` left out: start-up and pipeline fill):
   - the longest pause of a running sequence across an in-flight weight swap (measured on the
     engine thread), against one decode step + the swap
 
-    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 6] [--skip 2]
+    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 14] [--skip 5] [--epochs 1]
 
 Last line: {"bench": "async_speedup", "ours": <async step s>, "baseline": <sync step s>,
 "ratio": <sync/async>, "efficiency": ...}
@@ -181,8 +181,8 @@ def spread(xs: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--skip", type=int, default=3, help="first steps of a run left out")
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--skip", type=int, default=5, help="first steps of a run left out")
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
