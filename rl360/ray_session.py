@@ -77,7 +77,11 @@ def ray_session(
         )
     else:
         kwargs["address"] = address
-    ctx = ray.init(**kwargs)
+    try:
+        ctx = ray.init(**kwargs)
+    except BaseException:
+        _restore_env(saved)
+        raise
     STOP.requested = False
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:
@@ -98,8 +102,13 @@ def ray_session(
 
                 serve.shutdown()
         ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore_env(saved)
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    """Put back the variables ray_session set for a local cluster (None: it was unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

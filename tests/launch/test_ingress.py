@@ -62,3 +62,12 @@ def test_ray_session_sets_the_env_for_a_local_cluster_and_restores_it(
         pass
     assert seen["runtime_env"] == {"env_vars": {"A": "b", ingress.HAPROXY_FLAG: "1"}}
     assert os.environ[ingress.HAPROXY_FLAG] == "was-set"
+    # a local cluster that fails to start leaves the environment as it found it
+    def failing_init(**kw: object) -> Ctx:
+        raise RuntimeError("no cluster")
+
+    monkeypatch.setattr(ray, "init", failing_init)
+    with pytest.raises(RuntimeError, match="no cluster"), rs.ray_session(
+            dashboard=False, env_vars={ingress.HAPROXY_FLAG: "1", "RL360_TEST_UNSET": "x"}):
+        pass
+    assert os.environ[ingress.HAPROXY_FLAG] == "was-set" and "RL360_TEST_UNSET" not in os.environ
