@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from pathlib import Path
 from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ToolResult
@@ -23,15 +22,16 @@ from rl360.envs.sandbox import Sandbox
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
 from rl360.rewards import RewardContext, env_reward
+from rl360.rewards.runner_input import runner_argv, runner_stdin
 from rl360.types import Message, Reward, Task, ToolCall
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.S)
 _LOOKS_LIKE_PY = re.compile(r"^\s*(def|class|import|from|return|lambda|print|async def)\b", re.M)
 
-# Runs inside the sandbox (stdlib only): the parent reads the spec from stdin, runs each test
-# itself against a fresh child process that holds the solution (see isolated_runner.py).
-RUNNER = (Path(__file__).parent.parent / "rewards" / "isolated_runner.py").read_text()
+# The grader runs inside the sandbox (stdlib only, rl360/rewards/isolated_runner.py): its parent
+# reads the spec from stdin and runs each test itself against a fresh child process that holds
+# the solution. It starts through runner_input.BOOT, which hands it its code compiled.
 
 
 def extract_code(text: str | None) -> str | None:
@@ -117,22 +117,13 @@ class CodeEnv(Env):
         assert self.task is not None and self.sandbox is not None, "setup() first"
         units = test_units(self.task)
         nonce = secrets.token_hex(8)
-        spec = {
-            "nonce": nonce,
-            "per_test_timeout": self.per_test_timeout_s,
-            "solution": code,
-            "tests": units,
-            "entry_point": self.task.data.get("entry_point"),
-            "source": RUNNER,
-        }
+        stdin = runner_stdin(nonce, self.per_test_timeout_s, code, units,
+                             self.task.data.get("entry_point"))
         # per test: a child interpreter start (not counted in the per-test time: the runner
         # allows it up to 30 s on a loaded host), then the solution's load and the test itself
         limit = (self.per_test_timeout_s + 2.0) * (len(units) + 1) + 10.0
-        res = await self.sandbox.exec(
-            ["python3", *self.python_flags, "-c", RUNNER, "parent"],
-            timeout=limit,
-            stdin=json.dumps(spec).encode(),
-        )
+        res = await self.sandbox.exec(runner_argv("python3", self.python_flags), timeout=limit,
+                                      stdin=stdin)
         passed, notes = 0, []
         seen: set[int] = set()
         for line in res.stdout.splitlines():

@@ -15,17 +15,23 @@ built-in types built by the parent itself: a value that claims equality with any
 exist on the parent's side. A child that exits, hangs, sends garbage or patches its own
 builtins only makes its own calls fail. The parent reports one line per test on its stdout:
 "<nonce> <i> <0|1> <why>".
+
+Start-up cost matters: every distinct submission pays this interpreter's start, so it imports
+only C modules and a few small pure ones (no `json`, `signal`, `socket`, `subprocess` or
+`ctypes` packages: their enum and regex set-up cost several times the interpreter's own start).
+JSON goes through the `_json` C scanner and encoder (the ones `json` itself uses), signals and
+sockets through `_signal` and `_socket`, prctl through `_ctypes`. Started through BOOT (see
+rl360/rewards/runner_input.py) the source arrives compiled, and the spec as marshal data.
 """
 
+import _json
+import _signal
+import _socket
 import builtins
-import ctypes
-import json
+import marshal
 import os
 import select
-import signal
-import socket
 import struct
-import subprocess
 import sys
 
 HDR = struct.Struct(">I")
@@ -33,6 +39,59 @@ MAX_MSG = 32 << 20  # one message either way
 MAX_DEPTH = 100  # nesting of one value
 TAGS = ("t", "d", "s", "f", "b", "ba", "c", "h", "cb")
 START_S = 30.0  # the most a child interpreter may take to start (not counted as test time)
+SIGKILL = _signal.SIGKILL
+
+
+def set_dumpable(flag):
+    """prctl(PR_SET_DUMPABLE, flag): 0 = no ptrace, no /proc/<pid>/mem from same-uid processes."""
+    try:
+        import _ctypes
+
+        fn = _ctypes.dlsym(_ctypes.dlopen(None), "prctl")
+        _ctypes.call_function(fn, (4, flag, 0, 0, 0))
+    except (ImportError, OSError, AttributeError):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(4, flag, 0, 0, 0)
+        except (ImportError, OSError, AttributeError):
+            pass
+
+
+class _Ctx:  # what _json.make_scanner reads: json.loads' defaults
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = {"NaN": float("nan"), "Infinity": float("inf"),
+                      "-Infinity": float("-inf")}.__getitem__
+
+
+_SCAN = _json.make_scanner(_Ctx())
+# json.dumps(msg) with compact separators; no circular check (enc() bounds the depth)
+def _not_json(o):
+    raise TypeError(f"{type(o).__name__} is not JSON")
+
+
+_ENCODE = _json.make_encoder(None, _not_json, _json.encode_basestring_ascii, None, ":", ",",
+                             False, False, True)
+
+
+def json_loads(data):
+    """json.loads for one message: the same C scanner; any malformed input is a ValueError."""
+    try:
+        text = data.decode("utf-8")
+        obj, end = _SCAN(text, 0)
+    except (Exception, StopIteration):  # the C scanner's error path may raise SystemError
+        raise ValueError("malformed message") from None
+    if end != len(text):
+        raise ValueError("malformed message")
+    return obj
+
+
+def json_dumps(obj):
+    return "".join(_ENCODE(obj, 0))
 
 
 # ---------------------------------------------------------------------------- codec (both)
@@ -111,7 +170,7 @@ def dec(j, on_ref, depth=0):
 
 
 def send(fd, msg):
-    data = json.dumps(msg).encode()
+    data = json_dumps(msg).encode()
     data = HDR.pack(len(data)) + data
     view = memoryview(data)
     while view:
@@ -132,7 +191,7 @@ def recv(fd):
     (n,) = HDR.unpack(_read_exact(fd, HDR.size))
     if n > MAX_MSG:
         raise ValueError("message too large")
-    msg = json.loads(_read_exact(fd, n))
+    msg = json_loads(_read_exact(fd, n))
     if type(msg) is not dict:
         raise ValueError("malformed message")
     return msg
@@ -293,6 +352,8 @@ class Child:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
         env["HOME"] = os.environ.get("HOME", cwd)
         env["TMPDIR"] = os.environ.get("TMPDIR", "/tmp")
+        import subprocess  # the fallback only: its import costs more than an interpreter start
+
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", source, "child"],
             stdin=subprocess.PIPE,
@@ -309,7 +370,7 @@ class Child:
 
     def kill(self):
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, SIGKILL)
         except OSError:
             pass
         try:
@@ -397,7 +458,7 @@ class ForkedChild(Child):
         req_r, self.win = os.pipe()
         self.rout, rep_w = os.pipe()
         try:
-            zygote.sendmsg([b"F"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+            zygote.sendmsg([b"F"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS,
                                      struct.pack("ii", req_r, rep_w))])
             data = zygote.recv(8)
         finally:
@@ -413,7 +474,7 @@ class ForkedChild(Child):
     def kill(self):
         for kill in (os.killpg, os.kill):
             try:
-                kill(self.pid, signal.SIGKILL)
+                kill(self.pid, SIGKILL)
             except OSError:
                 pass
         os.close(self.win)
@@ -437,7 +498,7 @@ class Zygote:
             if os.waitpid(self.pid, os.WNOHANG)[0]:
                 return
             select.select([], [], [], 0.01)
-        os.kill(self.pid, signal.SIGKILL)
+        os.kill(self.pid, SIGKILL)
         os.waitpid(self.pid, 0)
 
 
@@ -445,7 +506,7 @@ def start_zygote(cwd):
     """Fork the zygote (before the spec is read: it holds no secret); None when it could not
     start (fresh children are used then)."""
     try:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
         pid = os.fork()
     except OSError:
         return None
@@ -461,10 +522,7 @@ def start_zygote(cwd):
         os.closerange(3, theirs.fileno())
         os.closerange(theirs.fileno() + 1, 1 << 16)
         os.setsid()
-        try:  # a forked child must not be able to trace it and rig the next child
-            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+        set_dumpable(0)  # a forked child must not be able to trace it and rig the next child
         zygote_main(theirs, cwd)
     finally:
         os._exit(0)
@@ -480,9 +538,9 @@ def zygote_main(sock, cwd):
         except ChildProcessError:
             pass
         fds = []
-        _, anc, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(2 * struct.calcsize("i")))
+        _, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(2 * struct.calcsize("i")))
         for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
                 fds += struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4])
         if len(fds) != 2:  # the parent is done (or sent garbage): reap, then exit
             for fd in fds:
@@ -502,10 +560,7 @@ def zygote_main(sock, cwd):
                 os.dup2(fds[1], 1)
                 os.close(fds[0])
                 os.close(fds[1])
-                try:  # dumpable again, as a freshly started child is
-                    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)
-                except (OSError, AttributeError):
-                    pass
+                set_dumpable(1)  # dumpable again, as a freshly started child is
                 os.environ.clear()
                 os.environ.update(env)
                 os.chdir(cwd)
@@ -533,24 +588,34 @@ def _why(e):
     return (f"{type(e).__name__}: {str(e)[:200]}").replace("\n", " ")
 
 
-def parent_main():
+def _read_rest(fd):
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def parent_main(source=None):
+    """`source`: this file's text, given by BOOT (which also sent the code compiled and sends
+    the spec as marshal data); None when started as `-c <source> parent` with a JSON spec."""
     zygote = start_zygote(os.getcwd())
-    spec = json.loads(sys.stdin.buffer.read())
+    raw = _read_rest(0)
+    spec = marshal.loads(raw) if source is not None else json_loads(raw)
     sys.stdin.close()
     os.close(0)
-    try:  # PR_SET_DUMPABLE = 4
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    set_dumpable(0)
     out = sys.stdout
-    nonce, per, source = spec["nonce"], float(spec["per_test_timeout"]), spec["source"]
+    nonce, per = spec["nonce"], float(spec["per_test_timeout"])
+    source = source if source is not None else spec["source"]
     timed = {"out": False}
 
     def alarm(*_):
         timed["out"] = True
         raise Timeout(f"test exceeded {per}s")
 
-    signal.signal(signal.SIGALRM, alarm)
+    _signal.signal(_signal.SIGALRM, alarm)
     load_failed = None
     for i, test in enumerate(spec["tests"]):
         ok, why = False, load_failed
@@ -560,11 +625,11 @@ def parent_main():
             stage = "load"
             try:
                 # the interpreter's start is not the solution's time (a loaded host is slow)
-                signal.setitimer(signal.ITIMER_REAL, max(START_S, per))
+                _signal.setitimer(_signal.ITIMER_REAL, max(START_S, per))
                 child = new_child(source, zygote)
                 if recv(child.rout).get("hello") != 1:
                     raise ValueError("the solution process did not start")
-                signal.setitimer(signal.ITIMER_REAL, per)
+                _signal.setitimer(_signal.ITIMER_REAL, per)
                 ns = {"__name__": "__test__"}
                 entry = spec.get("entry_point")
                 for name, value in child.load(spec["solution"]).items():
@@ -579,7 +644,7 @@ def parent_main():
                 if stage == "load":
                     load_failed = "not loaded: " + why
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                _signal.setitimer(_signal.ITIMER_REAL, 0)
                 if child is not None:
                     child.kill()
         out.write(f"{nonce} {i} {int(ok)} {why}\n")
@@ -592,4 +657,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["child"]:
         child_main()
     else:
-        parent_main()
+        parent_main(globals().get("RUNNER_SOURCE"))
