@@ -1,7 +1,9 @@
 """Env actors: Ray actors that each host several concurrent episodes with their sandboxes.
 
 An episode opens a session on the session server, runs the agent (the built-in tool loop over
-an Env, or a user's agent function), verifies, closes the session and returns the Trajectory:
+an Env, or a user's agent function), verifies, closes the session and returns the Trajectory
+(the built-in loop opens the session with its first chat turn and closes it with its final
+one, `SessionShard.turn`: one RPC to the shard per turn):
 the ledger's tokens, mask, logprobs and versions, the reward and its components, timings and a
 status. A session's ledger is a forest: the trajectory's own tokens are its primary picked leaf
 (for the built-in loop, which sends one linear conversation, simply the conversation) and
@@ -20,6 +22,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from typing import Any
@@ -105,23 +108,27 @@ class EnvActor:
         t0 = time.monotonic()
         self.running += 1
         sid = uuid.uuid4().hex
+        # chosen here, so this actor can close the session whatever happens to an answer
+        token = secrets.token_urlsafe(24)
+        meta = {"task_id": task.id, "group_id": group_id}
         try:
             shard = self.sessions.shard(sid)
-            try:
-                opened = await asyncio.wait_for(
-                    _open_session(shard, {"task_id": task.id, "group_id": group_id}, sid),
-                    SHARD_CALL_TIMEOUT_S)
-                open_s = time.monotonic() - t0
-            except TimeoutError:
-                return _infra(task, group_id, f"session shard did not open a session within "
-                              f"{SHARD_CALL_TIMEOUT_S:g}s (SHARD_CALL_TIMEOUT_S)", t0)
-            except Exception as exc:
-                return _infra(task, group_id, f"session server unreachable: {exc!r}", t0)
-            if not isinstance(opened, dict):
-                return _infra(task, group_id, f"could not open a session: {opened}", t0)
-            token = opened["token"]
+            open_s = 0.0  # the built-in loop opens with its first chat turn (SessionShard.turn)
+            if self.cfg.agent_fn:  # an agent function needs the session before its first call
+                try:
+                    opened = await asyncio.wait_for(_open_session(shard, meta, sid, token),
+                                                    SHARD_CALL_TIMEOUT_S)
+                    open_s = time.monotonic() - t0
+                except TimeoutError:
+                    return _infra(task, group_id, f"session shard did not open a session "
+                                  f"within {SHARD_CALL_TIMEOUT_S:g}s (SHARD_CALL_TIMEOUT_S)", t0)
+                except Exception as exc:
+                    return _infra(task, group_id, f"session server unreachable: {exc!r}", t0)
+                if not isinstance(opened, dict):
+                    return _infra(task, group_id, f"could not open a session: {opened}", t0)
             limits = self.cfg.limits
             env = sandbox = None
+            closed: Any = None
             try:
                 env = build_env_for(self.cfg.env, self.cfg.params, task.kind)
                 env.services = self.services
@@ -131,9 +138,11 @@ class EnvActor:
                     result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
                                                 self.cfg)
                 else:
-                    client = ShardChatClient(shard, sid, token, sampling or self.sampling)
-                    result = await run_episode(env, task, sandbox, client, self.cfg,
+                    chat = ShardChatClient(shard, sid, token, sampling or self.sampling,
+                                           open_meta=meta, close_final=True)
+                    result = await run_episode(env, task, sandbox, chat, self.cfg,
                                                verify_cache=self.verify_cache)
+                    closed = chat.closed
             except (TaskRefused, ValueError) as exc:
                 await _safe_close(shard, sid, token)
                 return _infra(task, group_id, str(exc), t0)
@@ -151,9 +160,10 @@ class EnvActor:
                     await _quietly(env.close())
                 cleanup_s = time.monotonic() - t_clean
             t_close = time.monotonic()
-            try:  # the picked samples
-                closed = await asyncio.wait_for(shard.close.remote(sid, token, False),
-                                                SHARD_CALL_TIMEOUT_S)
+            try:  # the picked samples (the final chat turn closed the session already, usually)
+                if closed is None:
+                    closed = await asyncio.wait_for(shard.close.remote(sid, token, False),
+                                                    SHARD_CALL_TIMEOUT_S)
             except TimeoutError:
                 return _infra(task, group_id, f"session shard did not return the ledger within "
                               f"{SHARD_CALL_TIMEOUT_S:g}s (SHARD_CALL_TIMEOUT_S)", t0)
@@ -197,13 +207,13 @@ async def _quietly(coro: Any) -> None:
         log.warning("cleanup failed: %r", exc)
 
 
-async def _open_session(shard: Any, meta: dict[str, Any], sid: str) -> Any:
+async def _open_session(shard: Any, meta: dict[str, Any], sid: str, token: str) -> Any:
     """shard.open, retried while the shard restarts (a restarting actor refuses calls at once;
     the session did not exist yet, so opening again is safe). The caller bounds the wait."""
     delay = 0.2
     while True:
         try:
-            return await shard.open.remote(meta, None, sid)
+            return await shard.open.remote(meta, None, sid, token)
         except ray.exceptions.ActorUnavailableError:
             await asyncio.sleep(delay)
             delay = min(2.0, delay * 2)

@@ -34,13 +34,50 @@ class SessionDirectory:
 
 
 class ShardChatClient:
-    """A ChatClient for one session, calling its shard actor."""
+    """A ChatClient for one session, calling its shard actor.
 
-    def __init__(self, shard: Any, session_id: str, token: str, sampling: dict[str, Any]) -> None:
+    `open_meta`: the session is not open yet; the first chat opens it (with this metadata and
+    the caller's `token`) in the same call. `close_final`: a final reply (no tool calls, where
+    the built-in loop stops) closes the session in the same call, and its samples are kept in
+    `closed`. Both through `SessionShard.turn`: a single-turn episode costs one RPC to its
+    shard instead of three (open, chat, close)."""
+
+    def __init__(self, shard: Any, session_id: str, token: str, sampling: dict[str, Any],
+                 open_meta: dict[str, Any] | None = None, close_final: bool = False) -> None:
         self.shard = shard
         self.session_id = session_id
         self.token = token
         self.sampling = dict(sampling)
+        self.open_meta = open_meta
+        self.close_final = close_final
+        self.closed: dict[str, Any] | None = None
+
+    async def _call(self, req: ChatCompletionRequest) -> Any:
+        if self.open_meta is None and not self.close_final:
+            return await _cancellable(self.shard.chat.remote(self.session_id, self.token, req))
+        delay = 0.2
+        while True:
+            ref = self.shard.turn.remote(self.session_id, self.token, req, self.open_meta,
+                                         self.close_final)
+            try:
+                out = await _cancellable(ref)
+                break
+            except Exception as exc:
+                import ray
+
+                # a restarting shard refuses calls at once: the session did not exist yet, so
+                # opening it again is safe (a chat on an open session is not retried)
+                if self.open_meta is None or not isinstance(exc, ray.exceptions.ActorUnavailableError):
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(2.0, delay * 2)
+        if "opened" in out:
+            if isinstance(out["opened"], ApiError):
+                raise InfraError(f"could not open a session: {out['opened']}")
+            self.open_meta = None
+        if out.get("closed") is not None:
+            self.closed = out["closed"]
+        return out["chat"]
 
     async def chat(self, messages: list[Message], tools: list[ToolSpec]) -> ChatTurn:
         req = ChatCompletionRequest(
@@ -48,14 +85,7 @@ class ShardChatClient:
             tools=list(tools) or None,
             **self.sampling,
         )
-        ref = self.shard.chat.remote(self.session_id, self.token, req)
-        try:
-            out = await ref
-        except asyncio.CancelledError:  # the episode was cancelled: cancel the shard's call,
-            import ray  # whose asyncio task then cancels the engine request
-
-            ray.cancel(ref)
-            raise
+        out = await self._call(req)
         if isinstance(out, ApiError) and out.code == "context_length":
             # the conversation outgrew the context: the model's episode is cut, not broken
             return ChatTurn(message=Message(role="assistant", content=""), finish_reason="length")
@@ -77,3 +107,15 @@ class ShardChatClient:
             timings={f"server_{k}": float(v)
                      for k, v in out.get("rl360", {}).get("timings", {}).items()},
         )
+
+
+async def _cancellable(ref: Any) -> Any:
+    """Await a shard call; when the episode is cancelled, cancel the shard's call too (its
+    asyncio task then cancels the engine request)."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        import ray
+
+        ray.cancel(ref)
+        raise

@@ -94,7 +94,12 @@ class SessionService:
     # ------------------------------------------------------------------ lifecycle
 
     def open(self, metadata: dict[str, Any] | None = None, matcher: str | None = None,
-             session_id: str | None = None) -> dict[str, str]:
+             session_id: str | None = None, token: str | None = None) -> dict[str, str]:
+        """A new session: its id and bearer token. `token`: one the (in-cluster) caller chose,
+        so it can close the session even when this answer never reaches it."""
+        if token is not None and (not isinstance(token, str) or len(token) < 16):
+            raise LedgerError(422, "bad_token", "a chosen session token must be a string of "
+                              "at least 16 characters")
         sid = session_id or uuid.uuid4().hex
         if len(self.sessions) >= self.config.max_sessions_per_shard and not self.reap_idle():
             self.events["rejected_too_many_sessions"] += 1
@@ -107,7 +112,7 @@ class SessionService:
             ledger = self._ledger(sid, matcher)
         except ValueError as exc:
             raise LedgerError(422, "bad_matcher", str(exc)) from None
-        token = secrets.token_urlsafe(24)
+        token = token or secrets.token_urlsafe(24)
         self.sessions[sid] = _Session(token=token, ledger=ledger, metadata=dict(metadata or {}))
         self.events["sessions_opened"] += 1
         return {"id": sid, "token": token}

@@ -86,13 +86,35 @@ class SessionShard:
             self._gauges["events"].set(v, tags={"event": k})
 
     async def open(
-        self, metadata: dict[str, Any], matcher: str | None, session_id: str
+        self, metadata: dict[str, Any], matcher: str | None, session_id: str,
+        token: str | None = None,
     ) -> dict[str, str] | ApiError:
         self._start_reaper()
         try:
-            return self.svc.open(metadata, matcher, session_id)
+            return self.svc.open(metadata, matcher, session_id, token)
         except LedgerError as exc:
             return ApiError(exc.status, exc.code, exc.message)
+
+    async def turn(
+        self, sid: str, token: str, req: ChatCompletionRequest,
+        open_meta: dict[str, Any] | None = None, close_final: bool = False,
+    ) -> dict[str, Any]:
+        """One chat turn of the built-in agent loop in one call (one Ray RPC instead of three
+        for a single-turn episode). With `open_meta` the session `sid` is opened first, with
+        the caller's `token`; with `close_final` a final reply (no tool calls: where the loop
+        stops) closes the session and returns its samples. Answers {"opened": ... (when
+        asked), "chat": the chat body or ApiError, "closed": the ledger (when closed)}."""
+        out: dict[str, Any] = {}
+        if open_meta is not None:
+            opened = await self.open(open_meta, None, sid, token)
+            out["opened"] = opened
+            if isinstance(opened, ApiError):
+                return out
+        res = out["chat"] = await self.chat(sid, token, req)
+        if close_final and isinstance(res, dict) and not any(
+                c["message"].get("tool_calls") for c in res["choices"]):
+            out["closed"] = await self.close(sid, token, False)
+        return out
 
     async def chat(
         self, sid: str | None, token: str | None, req: ChatCompletionRequest
