@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import pytest
 
 from rl360.actors.buffer import to_samples
 from rl360.actors.session_client import ShardChatClient
@@ -14,6 +15,7 @@ from rl360.envs.agent import run_episode
 from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.recipe import EngineSection, ModelSection, ServeSection
 from rl360.serve.engines.scripted import ScriptedBackend
+from rl360.serve.sessions.ledger import LedgerError
 from rl360.serve.sessions.openai_types import ChatCompletionRequest
 from rl360.serve.sessions.service import LocalEngineClient, SessionService
 from rl360.types import Message, Reward, Task, ToolSpec, Trajectory
@@ -96,3 +98,53 @@ async def test_a_branching_agent_hands_every_picked_leaf_to_the_trainer() -> Non
     samples = to_samples([traj], [0.5])
     assert len(samples) == 3 and {x.advantage for x in samples} == {0.5}
     assert all(sum(x.mask) > 0 for x in samples)
+
+
+class CountingShard:
+    """A SessionShard over an in-process service (no Ray) that counts its calls."""
+
+    def __init__(self, svc: SessionService) -> None:
+        from collections import Counter
+
+        from rl360.serve.sessions.shard import SessionShard
+
+        shard = SessionShard.over(svc)
+        self.calls: Counter[str] = Counter()
+        for name in ("open", "chat", "turn", "close"):
+            setattr(self, name, _Method(self._counted(name, getattr(shard, name))))
+
+    def _counted(self, name: str, fn: Any) -> Any:
+        async def call(*args: Any) -> Any:
+            self.calls[name] += 1
+            return await fn(*args)
+        return call
+
+
+async def test_the_loop_opens_and_closes_its_session_inside_its_turns() -> None:
+    """One shard call per turn: the first opens the session (with the caller's token), the
+    final one (no tool calls) closes it and hands back the samples the close would give."""
+    svc = service()
+    shard = CountingShard(svc)
+    token = "t" * 24
+    client = ShardChatClient(shard, "s1", token, {"temperature": 1.0},
+                             open_meta={"task_id": "t1"}, close_final=True)
+    result = await run_episode(OneToolEnv(), Task(id="t1", prompt="do it"), MemorySandbox(), client)
+    assert result.status == "ok" and result.reward is not None and result.reward.value == 1.0
+    assert dict(shard.calls) == {"turn": 2}
+    assert svc.sessions == {} and client.closed is not None
+    traj = msgspec.convert(client.closed, Trajectory)
+    assert traj.turns == 2 and traj.task_id == "t1" and traj.rerender == {"match": True}
+    traj.reward = result.reward
+    assert traj.branches == [] and len(to_samples([traj], [1.0])) == 1
+
+
+async def test_a_turn_that_cannot_open_says_why_and_runs_no_chat() -> None:
+    svc = service()
+    shard = CountingShard(svc)
+    svc.open({}, None, "s1")  # the id is taken
+    client = ShardChatClient(shard, "s1", "t" * 24, {}, open_meta={}, close_final=True)
+    result = await run_episode(OneToolEnv(), Task(id="t1", prompt="do it"), MemorySandbox(), client)
+    assert result.status == "infra_error" and "could not open a session" in result.reason
+    assert "session_exists" in result.reason and svc.events["chat_completions"] == 0
+    with pytest.raises(LedgerError, match="at least 16"):
+        svc.open({}, None, "s2", token="short")
