@@ -243,15 +243,13 @@ class RolloutController:
             task, occ = self._next_task(self.started // self.cfg.groups_per_batch)
             gid = f"g{self.seq:07d}-{task.id}"
             self.seq += 1
-            records, refs, actors = [], [], []
-            # a group on one env actor: its members' identical answers are graded once there
-            # (envs/agent.py: concurrent identical submissions share one sandboxed run)
-            a = self._next_actor()
-            for _ in range(self.cfg.group_size):
-                record, data = self.env_actors[a].rollout.remote(task, gid, self.sampling)
-                records.append(record)
-                refs.append(data)
-                actors.append(a)
+            # a group on one env actor, in one call (GroupRollout: one RPC per group): its
+            # members' identical answers are graded once there (envs/agent.py: concurrent
+            # identical submissions share one sandboxed run)
+            a, n = self._next_actor(), self.cfg.group_size
+            outs = self.env_actors[a].rollout_group.options(num_returns=2 * n).remote(
+                task, gid, n, self.sampling)
+            records, refs, actors = list(outs[:n]), list(outs[n:]), [a] * n
             g = self.inflight[gid] = _Group(task, records, refs,
                                             self.started // self.cfg.groups_per_batch,
                                             actors=actors, occ=occ)

@@ -72,7 +72,23 @@ class _LRU(collections.OrderedDict):  # type: ignore[type-arg]
             self.popitem(last=False)
 
 
-class EnvActor:
+class GroupRollout:
+    """`rollout_group`: the n episodes of one group in one actor call, over the class's own
+    `rollout` (the controller makes one RPC per group instead of one per episode; called with
+    `.options(num_returns=2 * n)`, its first n returns are the records, the last n the
+    trajectories, each its own object as `rollout`'s). Episodes still run concurrently and
+    each keeps its own session and sandbox; an episode that fails fails alone (`run` turns
+    every failure into an infra_error trajectory), and the controller re-runs one member with
+    `rollout`."""
+
+    async def rollout_group(self, task: Task, group_id: str, n: int,
+                            sampling: dict[str, Any] | None = None) -> tuple[Any, ...]:
+        rollout = self.rollout  # type: ignore[attr-defined]
+        pairs = await asyncio.gather(*(rollout(task, group_id, sampling) for _ in range(n)))
+        return tuple(p[0] for p in pairs) + tuple(p[1] for p in pairs)
+
+
+class EnvActor(GroupRollout):
     WARM_SANDBOXES = 8  # per (backend, limits): each serves one grading at a time
     WARM_MAX_USES = 64  # gradings before a warm sandbox is replaced by a fresh one
 

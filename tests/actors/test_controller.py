@@ -10,13 +10,14 @@ import time
 import pytest
 import ray
 
+from rl360.actors.env_pool import GroupRollout
 from rl360.recipe import TrainSection, checked
 from rl360.types import Reward, Task, Trajectory
 
 pytestmark = pytest.mark.ray
 
 
-class FakeEnvActor:
+class FakeEnvActor(GroupRollout):
     def __init__(self, slow_task: str = "", slow_s: float = 30.0) -> None:
         self.version = 0
         self.slow_task, self.slow_s = slow_task, slow_s
@@ -140,7 +141,7 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
     ray.get(ctl.stop.remote())
 
 
-class VarianceEnvActor:
+class VarianceEnvActor(GroupRollout):
     """Odd tasks get rewards 1, 0, 1, ... in a group; even tasks always 1 (filtered)."""
 
     def __init__(self) -> None:
@@ -160,7 +161,7 @@ class VarianceEnvActor:
                           task_id=task.id, group_id=group_id, reward=Reward(r))
 
 
-class InfraEnvActor:
+class InfraEnvActor(GroupRollout):
     """Every episode fails on the infrastructure (a sandbox that never starts)."""
 
     @ray.method(num_returns=2)
@@ -171,7 +172,7 @@ class InfraEnvActor:
         return t.record(), t
 
 
-class DyingEnvActor:
+class DyingEnvActor(GroupRollout):
     """Dies (the whole worker process) in its first episode."""
 
     @ray.method(num_returns=2)

@@ -12,6 +12,7 @@ import ray
 
 from rl360.actors.buffer import TrajectoryBuffer
 from rl360.actors.controller import RolloutController
+from rl360.actors.env_pool import GroupRollout
 from rl360.actors.trainer_group import TrainerGroup
 from rl360.recipe import TrainerSection, TrainSection, checked
 from rl360.serve.weights.publisher import WeightPublisher
@@ -20,7 +21,7 @@ from rl360.types import Reward, Task, Trajectory
 pytestmark = pytest.mark.ray
 
 
-class LongEnvActor:
+class LongEnvActor(GroupRollout):
     """Episodes of `length` tokens (half of them generated), rewards 0/1 alternating."""
 
     def __init__(self, length: int) -> None:
