@@ -61,7 +61,7 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     future: asyncio.Future[Generation]
-    generator: torch.Generator | None = None
+    generator: random.Random | None = None  # the row's own draws (sampling.sample_rows)
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
@@ -433,7 +433,7 @@ class TorchBackend:
         if admit:  # prefill the new rows, similar suffix lengths together
             for r in admit:
                 seed = r.sampling.seed if r.sampling.seed is not None else self._rng.getrandbits(62)
-                r.generator = torch.Generator().manual_seed(seed)
+                r.generator = random.Random(seed)
                 r.joined_step = step
                 r.kv_version = version  # the cache holds only K/V of the weights now served
                 r.prefix_len, r.prefix_kv = self.prefix.lookup(r.prompt_ids)
