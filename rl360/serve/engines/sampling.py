@@ -53,6 +53,8 @@ def draw(probs: torch.Tensor, uniforms: list[float]) -> list[int]:
     exceeds u x the row's total (so a float32 cumsum that ends below 1 never runs past the
     last token, and a token of probability 0 is never drawn)."""
     cdf = probs.cumsum(-1)
+    if not bool(torch.isfinite(cdf[:, -1]).all()):  # as torch.multinomial refuses them
+        raise ValueError("sampling: the model gave non-finite probabilities (NaN or inf logits)")
     u = torch.tensor(uniforms, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1).tolist()
 

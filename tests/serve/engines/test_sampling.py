@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from rl360.serve.engines.sampling import draw, sample_rows
@@ -26,6 +27,11 @@ def test_draw_follows_the_distribution_and_never_picks_a_zero_probability_token(
 def test_draw_stays_on_the_last_real_token_when_the_cumsum_ends_below_one() -> None:
     p = torch.tensor([[0.25, 0.25, 0.4999, 0.0]])  # sums to 0.9999
     assert draw(p.expand(2, 4), [0.0, 0.9999999]) == [0, 2]
+
+
+def test_non_finite_probabilities_are_refused() -> None:
+    with pytest.raises(ValueError, match="non-finite"):
+        draw(torch.tensor([[0.5, float("nan")]]), [0.3])
 
 
 def test_a_rows_tokens_depend_on_its_own_seed_only() -> None:
