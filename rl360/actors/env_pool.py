@@ -159,6 +159,10 @@ class EnvActor(GroupRollout):
                     result = await run_episode(env, task, sandbox, chat, self.cfg,
                                                verify_cache=self.verify_cache)
                     closed = chat.closed
+                    if closed is None and chat.open_meta is not None:
+                        # it ended before its first chat turn (a sandbox that did not start,
+                        # a setup that failed): no session was opened, so no ledger to read
+                        closed = _no_session()
             except (TaskRefused, ValueError) as exc:
                 await _safe_close(shard, sid, token)
                 return _infra(task, group_id, str(exc), t0)
@@ -214,6 +218,12 @@ class EnvActor(GroupRollout):
 
     async def close(self) -> None:
         await _quietly(self.grading.close())
+
+
+def _no_session() -> dict[str, Any]:
+    """The ledger of an episode that never opened its session: no tokens."""
+    return msgspec.to_builtins(Trajectory(session_id="", tokens=[], mask=[], logprobs=[],
+                                          versions=[], provenance=[]))
 
 
 async def _quietly(coro: Any) -> None:
