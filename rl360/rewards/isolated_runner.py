@@ -69,11 +69,13 @@ class _Ctx:  # what _json.make_scanner reads: json.loads' defaults
 
 
 _SCAN = _json.make_scanner(_Ctx())
-# json.dumps(msg) with compact separators; no circular check (enc() bounds the depth)
+
+
 def _not_json(o):
     raise TypeError(f"{type(o).__name__} is not JSON")
 
 
+# json.dumps(msg) with compact separators; no circular check (enc() bounds the depth)
 _ENCODE = _json.make_encoder(None, _not_json, _json.encode_basestring_ascii, None, ":", ",",
                              False, False, True)
 
