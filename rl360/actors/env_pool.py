@@ -31,7 +31,7 @@ import msgspec
 import ray
 
 from rl360.actors.reward_stats import task_domain
-from rl360.actors.session_client import SessionDirectory, ShardChatClient
+from rl360.actors.session_client import SessionDirectory, ShardChatClient, until_shard_answers
 from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
 from rl360.envs.registry import build_env_for, resolve
@@ -132,8 +132,8 @@ class EnvActor(GroupRollout):
             open_s = 0.0  # the built-in loop opens with its first chat turn (SessionShard.turn)
             if self.cfg.agent_fn:  # an agent function needs the session before its first call
                 try:
-                    opened = await asyncio.wait_for(_open_session(shard, meta, sid, token),
-                                                    SHARD_CALL_TIMEOUT_S)
+                    opened = await asyncio.wait_for(until_shard_answers(
+                        lambda: shard.open.remote(meta, None, sid, token)), SHARD_CALL_TIMEOUT_S)
                     open_s = time.monotonic() - t0
                 except TimeoutError:
                     return _infra(task, group_id, f"session shard did not open a session "
@@ -231,18 +231,6 @@ async def _quietly(coro: Any) -> None:
         await coro
     except Exception as exc:  # cleanup must not turn a scored episode into a failure
         log.warning("cleanup failed: %r", exc)
-
-
-async def _open_session(shard: Any, meta: dict[str, Any], sid: str, token: str) -> Any:
-    """shard.open, retried while the shard restarts (a restarting actor refuses calls at once;
-    the session did not exist yet, so opening again is safe). The caller bounds the wait."""
-    delay = 0.2
-    while True:
-        try:
-            return await shard.open.remote(meta, None, sid, token)
-        except ray.exceptions.ActorUnavailableError:
-            await asyncio.sleep(delay)
-            delay = min(2.0, delay * 2)
 
 
 async def _safe_close(shard: Any, sid: str, token: str) -> None:

@@ -7,6 +7,7 @@ ledger, so the trajectory's tokens always come from the engine."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -55,22 +56,14 @@ class ShardChatClient:
     async def _call(self, req: ChatCompletionRequest) -> Any:
         if self.open_meta is None and not self.close_final:
             return await _cancellable(self.shard.chat.remote(self.session_id, self.token, req))
-        delay = 0.2
-        while True:
-            ref = self.shard.turn.remote(self.session_id, self.token, req, self.open_meta,
-                                         self.close_final)
-            try:
-                out = await _cancellable(ref)
-                break
-            except Exception as exc:
-                import ray
+        def call() -> Any:
+            return self.shard.turn.remote(self.session_id, self.token, req, self.open_meta,
+                                          self.close_final)
 
-                # a restarting shard refuses calls at once: the session did not exist yet, so
-                # opening it again is safe (a chat on an open session is not retried)
-                if self.open_meta is None or not isinstance(exc, ray.exceptions.ActorUnavailableError):
-                    raise
-                await asyncio.sleep(delay)
-                delay = min(2.0, delay * 2)
+        # a first turn opens the session, so it may be retried while the shard restarts; a
+        # chat on an open session is not
+        out = await (until_shard_answers(call) if self.open_meta is not None
+                     else _cancellable(call()))
         if "opened" in out:
             if isinstance(out["opened"], ApiError):
                 raise InfraError(f"could not open a session: {out['opened']}")
@@ -107,6 +100,21 @@ class ShardChatClient:
             timings={f"server_{k}": float(v)
                      for k, v in out.get("rl360", {}).get("timings", {}).items()},
         )
+
+
+async def until_shard_answers(call: Callable[[], Any]) -> Any:
+    """Await `call()` (a shard actor call's ref), calling again while the shard restarts: a
+    restarting actor refuses calls at once, before running them, so this is safe for a call
+    whose session did not exist yet (an open). The caller bounds the wait."""
+    import ray
+
+    delay = 0.2
+    while True:
+        try:
+            return await _cancellable(call())
+        except ray.exceptions.ActorUnavailableError:
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
 
 
 async def _cancellable(ref: Any) -> Any:
