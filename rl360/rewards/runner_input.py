@@ -19,15 +19,22 @@ never hold the nonce or the tests, as with the runner started on its own. Stdin 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import marshal
 from pathlib import Path
 from typing import Any
 
 RUNNER = (Path(__file__).parent / "isolated_runner.py").read_text()
-_CODE = marshal.dumps(compile(RUNNER, "isolated_runner.py", "exec"))
-_HEAD = b"".join(len(p).to_bytes(4, "big") + p
-                 for p in (importlib.util.MAGIC_NUMBER, _CODE, RUNNER.encode()))
+
+
+@functools.cache
+def head() -> bytes:
+    """Part 1 of the runner's stdin, compiled once per process at its first grading (not at
+    import: the driver and every env actor import the code env)."""
+    code = marshal.dumps(compile(RUNNER, "isolated_runner.py", "exec"))
+    return b"".join(len(p).to_bytes(4, "big") + p
+                    for p in (importlib.util.MAGIC_NUMBER, code, RUNNER.encode()))
 
 # runs inside the sandbox with `python -I -S -c BOOT parent` (stdlib only)
 BOOT = """\
@@ -61,4 +68,4 @@ def runner_stdin(nonce: str, per_test_timeout: float, solution: str, tests: list
     spec: dict[str, Any] = {"nonce": nonce, "per_test_timeout": float(per_test_timeout),
                             "solution": solution, "tests": list(tests),
                             "entry_point": entry_point}
-    return _HEAD + marshal.dumps(spec)
+    return head() + marshal.dumps(spec)

@@ -60,9 +60,9 @@ def test_the_grading_parent_imports_no_heavy_module(tmp_path):
 
 def test_boot_compiles_the_source_when_the_magic_number_differs(tmp_path, monkeypatch):
     """A sandbox image with another Python gets the source, not bytecode it cannot run."""
-    head = runner_input._HEAD
+    head = runner_input.head()
     n = int.from_bytes(head[:4], "big")
-    monkeypatch.setattr(runner_input, "_HEAD", head[:4] + b"\xff" * n + head[4 + n:])
+    monkeypatch.setattr(runner_input, "head", lambda: head[:4] + b"\xff" * n + head[4 + n:])
     assert runner_stdin("x", 1.0, "", [], None).startswith(head[:4] + b"\xff" * n)
     assert _grade(tmp_path, "def f(x):\n    return x\n", ["assert f(3) == 3"]) == ["1"]
 
