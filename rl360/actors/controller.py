@@ -137,8 +137,12 @@ class RolloutController:
         self._watchers: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
         self._all_infra_in_a_row = 0
-        self._lost_at: dict[int, float] = {}
-        self._handoff = asyncio.Lock()  # env actor index -> when it last lost an episode
+        self._lost_at: dict[int, float] = {}  # env actor index -> when it last lost an episode
+        self._handoff = asyncio.Lock()
+        # task id -> the env actor its groups run on (task affinity: the actor's verify cache
+        # then holds that task's earlier answers, so an answer seen in an earlier step is not
+        # graded again); assigned round robin at first sight, bounded
+        self._home: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._window: collections.deque[bool] = collections.deque(maxlen=config.breaker_window)
         self._reasons: collections.Counter[str] = collections.Counter()
         self._rr = 0
@@ -246,7 +250,7 @@ class RolloutController:
             # a group on one env actor, in one call (GroupRollout: one RPC per group): its
             # members' identical answers are graded once there (envs/agent.py: concurrent
             # identical submissions share one sandboxed run)
-            a, n = self._next_actor(), self.cfg.group_size
+            a, n = self._home_actor(task.id), self.cfg.group_size
             outs = self.env_actors[a].rollout_group.options(num_returns=2 * n).remote(
                 task, gid, n, self.sampling)
             records, refs, actors = list(outs[:n]), list(outs[n:]), [a] * n
@@ -339,6 +343,21 @@ class RolloutController:
         g.records[i], g.refs[i] = self.env_actors[g.actors[i]].rollout.remote(
             g.task, gid, self.sampling)
         return await self._member(gid, g, i)
+
+    HOME_TASKS = 100_000  # task ids whose env actor is remembered (LRU)
+
+    def _home_actor(self, task_id: str) -> int:
+        """The env actor of `task_id`'s groups: the one its earlier groups ran on while that
+        actor is up (it lost no episode in the last LOST_COOLDOWN_S), else the next in the
+        round robin, which becomes the task's home."""
+        a = self._home.get(task_id)
+        if a is None or time.monotonic() - self._lost_at.get(a, -math.inf) <= LOST_COOLDOWN_S:
+            a = self._next_actor()
+        self._home[task_id] = a
+        self._home.move_to_end(task_id)
+        if len(self._home) > self.HOME_TASKS:
+            self._home.popitem(last=False)
+        return a
 
     def _next_actor(self, avoid: int = -1) -> int:
         """Round robin over the env actors, skipping one that lost an episode in the last

@@ -317,15 +317,17 @@ def test_without_oversampling_filtered_groups_are_not_replaced(ray_cluster, task
     assert status["count/groups_filtered"] >= 2
 
 
-def test_a_group_runs_on_one_env_actor_and_groups_alternate(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+def test_a_group_runs_on_one_env_actor_and_a_task_stays_on_its_actor(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
     """All members of a group go to one env actor (so its identical answers are graded once
-    there) and the groups take turns over the actors."""
+    there), new tasks take turns over the actors, and a task's later groups go where its
+    first one ran (that actor's verify cache holds its earlier answers)."""
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
     from rl360.serve.weights.publisher import WeightPublisher
 
+    # 5 tasks, 8 groups (two batches, the second one version ahead): t0-t2 run twice
     train = checked(TrainSection, tasks=[tasks_file], group_size=4, groups_per_batch=4,
-                    max_staleness=0, max_in_flight_groups=4)
+                    max_staleness=1, max_in_flight_groups=8, shuffle_window=0)
     envs = [ray.remote(FakeEnvActor).remote() for _ in range(2)]
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
@@ -333,9 +335,21 @@ def test_a_group_runs_on_one_env_actor_and_groups_alternate(ray_cluster, tasks_f
         train, 1, envs, buf, pub)
     ray.get(ctl.start.remote())
     assert ray.get(buf.next_batch.remote(0, 1, 60.0)) is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        logs = [[g for g, _ in ray.get(e.log.remote())] for e in envs]
+        if sum(len(set(log)) for log in logs) >= 8:
+            break
+        time.sleep(0.1)
     ray.get(ctl.stop.remote())
-    logs = [[g for g, _ in ray.get(e.log.remote())] for e in envs]
     groups = [set(log) for log in logs]
     assert not groups[0] & groups[1]  # no group split over the two actors
-    assert len(groups[0]) == len(groups[1]) == 2
     assert all(log.count(g) == 4 for log in logs for g in set(log))
+    homes: dict[str, set[int]] = {}
+    for a, gs in enumerate(groups):
+        for g in gs:
+            homes.setdefault(g.split("-", 1)[1], set()).add(a)
+    assert set(homes) == {f"t{i}" for i in range(5)}
+    assert all(len(actors) == 1 for actors in homes.values()), homes
+    # new tasks alternate: t0, t2, t4 on one actor, t1, t3 on the other
+    assert sorted(len(gs) for gs in groups) == [3, 5]
