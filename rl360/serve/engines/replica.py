@@ -82,6 +82,15 @@ class EngineReplica:
         gen.engine_replica = self.replica_id
         return gen
 
+    async def generate_many(
+        self, items: list[tuple[list[int], SamplingParams]]
+    ) -> list[Generation | BaseException]:
+        """Several generations in one request (a group's first turns: one Serve call instead
+        of one per episode); they run concurrently on the backend, which batches them. A
+        failed one comes back as its exception and fails alone."""
+        return list(await asyncio.gather(*(self.generate(ids, sp) for ids, sp in items),
+                                         return_exceptions=True))
+
     async def update_weights(self, version: int, state: Any) -> bool:
         return await self.backend.update_weights(version, state)
 
@@ -120,10 +129,18 @@ class ServeEngineClient:
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, route_key: str | None
     ) -> Generation:
+        return await self._call("generate", route_key, prompt_ids, sampling)
+
+    async def generate_many(
+        self, items: list[tuple[list[int], SamplingParams]], route_key: str | None
+    ) -> list[Generation | BaseException]:
+        return await self._call("generate_many", route_key, items)
+
+    async def _call(self, method: str, route_key: str | None, *args: Any) -> Any:
         if self._handle is None:
             self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
         h = self._handle.options(session_id=route_key) if route_key else self._handle
-        response = h.generate.remote(prompt_ids, sampling)
+        response = getattr(h, method).remote(*args)
         try:
             return await asyncio.wait_for(_result(response), ENGINE_CALL_TIMEOUT_S)
         except TimeoutError:

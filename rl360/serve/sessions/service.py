@@ -45,6 +45,12 @@ class EngineClient(Protocol):
         self, prompt_ids: list[int], sampling: SamplingParams, route_key: str | None
     ) -> Generation: ...
 
+    async def generate_many(
+        self, items: list[tuple[list[int], SamplingParams]], route_key: str | None
+    ) -> list[Generation | BaseException]:
+        """Several generations in one request to one replica; a failed one is its exception."""
+        ...
+
 
 class LocalEngineClient:
     """An in-process backend as an EngineClient (tests, benchmarks, single-process use)."""
@@ -57,6 +63,12 @@ class LocalEngineClient:
     ) -> Generation:
         return await self.backend.generate(prompt_ids, sampling)
 
+    async def generate_many(
+        self, items: list[tuple[list[int], SamplingParams]], route_key: str | None
+    ) -> list[Generation | BaseException]:
+        return list(await asyncio.gather(*(self.generate(ids, sp, route_key)
+                                           for ids, sp in items), return_exceptions=True))
+
 
 @dataclass
 class _Session:
@@ -67,6 +79,20 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
     malformed_tool_calls: int = 0
     completions: int = 0
+
+
+@dataclass
+class _ChatCall:
+    """A chat turn prepared for its generation (SessionService._chat_prepare)."""
+
+    req: ChatCompletionRequest
+    session: _Session | None
+    ledger: SessionLedger
+    prep: PreparedTurn
+    sampling: SamplingParams
+    route_key: str | None
+    t0: float
+    t_rendered: float
 
 
 class SessionService:
@@ -182,12 +208,62 @@ class SessionService:
         try:
             return await call
         except LedgerError as exc:
-            self.events[f"rejected_{exc.code}"] += 1
-            return ApiError(exc.status, exc.code, exc.message)
+            return self._refused(exc)
 
     async def _chat(
         self, sid: str | None, token: str | None, req: ChatCompletionRequest
     ) -> dict[str, Any]:
+        call = await self._chat_prepare(sid, token, req)
+        gens = await self._generate_n(call.prep.prompt_ids, call.sampling, call.route_key, req.n)
+        return self._chat_finish(call, gens)
+
+    async def chat_many(
+        self, calls: list[tuple[str, str | None, ChatCompletionRequest]]
+    ) -> list[dict[str, Any] | ApiError]:
+        """Several sessions' chat turns with one engine call (`EngineClient.generate_many`):
+        each (session id, token, request) is refused, prepared and committed on its own, as
+        `chat` would; their generations travel to the engine together (routed by the first
+        call's key). The built-in agent loop sends a group's first turns this way: one engine
+        request instead of group_size. Answers in the order of `calls`."""
+        out: list[dict[str, Any] | ApiError | None] = [None] * len(calls)
+        ready: list[tuple[int, _ChatCall]] = []
+        for i, (sid, token, req) in enumerate(calls):
+            try:
+                ready.append((i, await self._chat_prepare(sid, token, req)))
+            except LedgerError as exc:
+                out[i] = self._refused(exc)
+        items = [(c.prep.prompt_ids, sp) for _, c in ready
+                 for sp in _seeded(c.sampling, c.req.n)]
+        gens: list[Generation | BaseException] = []
+        try:
+            if len(ready) == 1:  # one session's turn: the engine's plain generate
+                c = ready[0][1]
+                gens = list(await self._generate_n(c.prep.prompt_ids, c.sampling, c.route_key,
+                                                   c.req.n))
+            elif items:
+                gens = await self._generate_many(items, ready[0][1].route_key)
+        except LedgerError as exc:
+            gens = [exc] * len(items)
+        k = 0
+        for i, c in ready:
+            mine, k = gens[k:k + c.req.n], k + c.req.n
+            bad = next((g for g in mine if isinstance(g, BaseException)), None)
+            if bad is None:
+                out[i] = self._chat_finish(c, mine)  # type: ignore[arg-type]
+            else:
+                out[i] = self._refused(bad if isinstance(bad, LedgerError) else LedgerError(
+                    503, "engine_unavailable", f"engine call failed: {bad!r}"))
+        return [o for o in out if o is not None]
+
+    def _refused(self, exc: LedgerError) -> ApiError:
+        self.events[f"rejected_{exc.code}"] += 1
+        return ApiError(exc.status, exc.code, exc.message)
+
+    async def _chat_prepare(
+        self, sid: str | None, token: str | None, req: ChatCompletionRequest
+    ) -> _ChatCall:
+        """Refuse what cannot run, capture the parent and render the prompt (TITO 17): all
+        of a chat turn before its generation."""
         _refuse_control_fields(req.input_ids, req.prompt_token_ids, req.n, self.config.max_n)
         if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "auto", "none"):
             raise LedgerError(400, "unsupported", "tool_choice must be 'auto' or 'none' here")
@@ -202,12 +278,17 @@ class SessionService:
         # the parent is captured here (TITO 17); rendering runs off the event loop
         t0 = time.monotonic()
         prep = await self._off_loop(ledger.prepare, messages, req.tools)
-        t1 = time.monotonic()
         sampling = self._sampling(
             prep, req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
         )
-        gens = await self._generate_n(prep.prompt_ids, sampling, sid, req.n)
+        # a group's sessions go to one engine replica (their prompts share a prefix)
+        route = (session.metadata.get("group_id") or sid) if session is not None else None
+        return _ChatCall(req, session, ledger, prep, sampling, route, t0, time.monotonic())
+
+    def _chat_finish(self, call: _ChatCall, gens: list[Generation]) -> dict[str, Any]:
+        """Parse the generations, commit them under the captured parent, answer."""
+        req, ledger, session, prep = call.req, call.ledger, call.session, call.prep
         t2 = time.monotonic()
         replies: list[tuple[Generation, Message]] = []
         malformed = 0
@@ -247,7 +328,7 @@ class SessionService:
             "stop_kind": first.stop_kind,
             "engine_replica": first.engine_replica,
             # where this call's time went on the server (the step breakdown sums them)
-            "timings": {"render_s": t1 - t0, "engine_s": t2 - t1,
+            "timings": {"render_s": call.t_rendered - call.t0, "engine_s": t2 - call.t_rendered,
                         "commit_s": time.monotonic() - t2},
         }
         return chat_completion_body(
@@ -364,10 +445,19 @@ class SessionService:
                           n: int) -> list[Generation]:
         if n == 1:
             return [await self._generate(ids, sampling, sid)]
-        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(n)]
         return list(await asyncio.gather(*(
-            self._generate(ids, msgspec.structs.replace(sampling, seed=sd), sid) for sd in seeds
-        )))
+            self._generate(ids, sp, sid) for sp in _seeded(sampling, n))))
+
+    async def _generate_many(self, items: list[tuple[list[int], SamplingParams]],
+                             route_key: str | None) -> list[Generation | BaseException]:
+        """The generations of `items` in one engine request; a failed one is its exception."""
+        try:
+            return list(await self.engine.generate_many(items, route_key))
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            log.exception("engine call failed")
+            raise LedgerError(503, "engine_unavailable", f"engine call failed: {exc!r}") from None
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, sid: str | None) -> Generation:
         try:
@@ -379,6 +469,14 @@ class SessionService:
         except Exception as exc:
             log.exception("engine call failed")
             raise LedgerError(503, "engine_unavailable", f"engine call failed: {exc!r}") from None
+
+
+def _seeded(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling of each of a request's n choices: seed, seed + 1, ... when it has one."""
+    if n == 1:
+        return [sampling]
+    return [msgspec.structs.replace(sampling, seed=None if sampling.seed is None
+                                    else sampling.seed + i) for i in range(n)]
 
 
 def _refuse_control_fields(input_ids: Any, prompt_token_ids: Any, n: int, max_n: int) -> None:

@@ -8,6 +8,8 @@ import logging
 import zlib
 from typing import Any
 
+import msgspec
+
 from rl360.policies.chat import ChatRenderer
 from rl360.policies.loading import load_tokenizer, resolve_model_path
 from rl360.recipe import ModelSection, ServeSection
@@ -16,6 +18,16 @@ from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, C
 from rl360.serve.sessions.service import EngineClient, SessionService
 
 log = logging.getLogger("rl360.sessions")
+
+
+class TurnCall(msgspec.Struct, array_like=True):
+    """One session's chat turn for `SessionShard.turn` / `turns`."""
+
+    sid: str
+    token: str
+    req: ChatCompletionRequest
+    open_meta: dict[str, Any] | None = None  # open the session first, with this metadata
+    close_final: bool = False  # a final reply closes the session and returns its samples
 
 
 def shard_for(session_id: str, num_shards: int) -> int:
@@ -104,17 +116,30 @@ class SessionShard:
         the caller's `token`; with `close_final` a final reply (no tool calls: where the loop
         stops) closes the session and returns its samples. Answers {"opened": ... (when
         asked), "chat": the chat body or ApiError, "closed": the ledger (when closed)}."""
-        out: dict[str, Any] = {}
-        if open_meta is not None:
-            opened = await self.open(open_meta, None, sid, token)
-            out["opened"] = opened
-            if isinstance(opened, ApiError):
-                return out
-        res = out["chat"] = await self.chat(sid, token, req)
-        if close_final and isinstance(res, dict) and not any(
-                c["message"].get("tool_calls") for c in res["choices"]):
-            out["closed"] = await self.close(sid, token, False)
-        return out
+        return (await self.turns([TurnCall(sid, token, req, open_meta, close_final)]))[0]
+
+    async def turns(self, calls: list[TurnCall]) -> list[dict[str, Any]]:
+        """`turn` for several sessions in one call, their generations in one engine request
+        (`SessionService.chat_many`): the built-in loop sends a group's first turns so. Every
+        session is opened before the first await, so a close sent after this call finds it
+        open. Answers in the order of `calls`."""
+        outs: list[dict[str, Any]] = [{} for _ in calls]
+        live: list[int] = []
+        for i, c in enumerate(calls):
+            if c.open_meta is not None:
+                opened = outs[i]["opened"] = await self.open(c.open_meta, None, c.sid, c.token)
+                if isinstance(opened, ApiError):
+                    continue
+            live.append(i)
+        self._start_reaper()
+        chats = await self.svc.chat_many([(calls[i].sid, calls[i].token, calls[i].req)
+                                          for i in live])
+        for i, res in zip(live, chats, strict=True):
+            outs[i]["chat"] = res
+            if calls[i].close_final and isinstance(res, dict) and not any(
+                    c["message"].get("tool_calls") for c in res["choices"]):
+                outs[i]["closed"] = await self.close(calls[i].sid, calls[i].token, False)
+        return outs
 
     async def chat(
         self, sid: str | None, token: str | None, req: ChatCompletionRequest
