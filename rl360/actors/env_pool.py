@@ -24,14 +24,18 @@ import itertools
 import logging
 import secrets
 import time
-import uuid
 from typing import Any
 
 import msgspec
 import ray
 
 from rl360.actors.reward_stats import task_domain
-from rl360.actors.session_client import SessionDirectory, ShardChatClient, until_shard_answers
+from rl360.actors.session_client import (
+    FirstTurns,
+    SessionDirectory,
+    ShardChatClient,
+    until_shard_answers,
+)
 from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
 from rl360.envs.registry import build_env_for, resolve
@@ -84,8 +88,14 @@ class GroupRollout:
     async def rollout_group(self, task: Task, group_id: str, n: int,
                             sampling: dict[str, Any] | None = None) -> tuple[Any, ...]:
         rollout = self.rollout  # type: ignore[attr-defined]
-        pairs = await asyncio.gather(*(rollout(task, group_id, sampling) for _ in range(n)))
+        extra = self._group_args(n)
+        pairs = await asyncio.gather(*(rollout(task, group_id, sampling, *extra)
+                                       for _ in range(n)))
         return tuple(p[0] for p in pairs) + tuple(p[1] for p in pairs)
+
+    def _group_args(self, n: int) -> tuple[Any, ...]:
+        """Extra arguments `rollout` gets for each member of a group of `n`: none here."""
+        return ()
 
 
 class EnvActor(GroupRollout):
@@ -120,10 +130,21 @@ class EnvActor(GroupRollout):
         key = msgspec.json.encode([self.cfg.sandbox, spec]).decode()
         return PooledSandbox(self.grading, key, make)
 
-    async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None) -> Trajectory:
+    def _group_args(self, n: int) -> tuple[Any, ...]:
+        # the built-in loop sends a group's first turns together (one shard call, one engine
+        # request); an agent function opens its own session over HTTP
+        return () if self.cfg.agent_fn or n < 2 else (FirstTurns(n),)
+
+    async def run(self, task: Task, group_id: str = "", sampling: dict[str, Any] | None = None,
+                  first_turns: FirstTurns | None = None) -> Trajectory:
+        """One episode. `first_turns`: its group's batcher (`rollout_group`), which sends
+        this episode's first chat turn together with its siblings'."""
         t0 = time.monotonic()
         self.running += 1
-        sid = uuid.uuid4().hex
+        chat: ShardChatClient | None = None
+        sid = self.sessions.session_id(like=first_turns and first_turns.like)
+        if first_turns is not None and first_turns.like is None:
+            first_turns.like = sid
         # chosen here, so this actor can close the session whatever happens to an answer
         token = secrets.token_urlsafe(24)
         meta = {"task_id": task.id, "group_id": group_id}
@@ -155,7 +176,8 @@ class EnvActor(GroupRollout):
                                                 self.cfg)
                 else:
                     chat = ShardChatClient(shard, sid, token, sampling or self.sampling,
-                                           open_meta=meta, close_final=True)
+                                           open_meta=meta, close_final=True,
+                                           first_turns=first_turns)
                     result = await run_episode(env, task, sandbox, chat, self.cfg,
                                                verify_cache=self.verify_cache)
                     closed = chat.closed
@@ -205,12 +227,15 @@ class EnvActor(GroupRollout):
             return traj
         finally:
             self.running -= 1
+            if first_turns is not None and (chat is None or chat.first_turns is not None):
+                first_turns.leave()  # it ended without sending its first turn
 
     @ray.method(num_returns=2)
     async def rollout(self, task: Task, group_id: str = "",
-                      sampling: dict[str, Any] | None = None) -> tuple[EpisodeRecord, Trajectory]:
+                      sampling: dict[str, Any] | None = None,
+                      first_turns: FirstTurns | None = None) -> tuple[EpisodeRecord, Trajectory]:
         """`run`, returned as (its EpisodeRecord, the Trajectory): two object refs."""
-        traj = await self.run(task, group_id, sampling)
+        traj = await self.run(task, group_id, sampling, first_turns)
         return traj.record(), traj
 
     async def load(self) -> int:

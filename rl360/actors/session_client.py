@@ -7,6 +7,7 @@ ledger, so the trajectory's tokens always come from the engine."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ import msgspec
 
 from rl360.envs.agent import ChatTurn, InfraError
 from rl360.serve.sessions.openai_types import ApiError, ChatCompletionRequest, ChatMessageIn
-from rl360.serve.sessions.shard import shard_for
+from rl360.serve.sessions.shard import TurnCall, shard_for
 from rl360.types import FunctionCall, Message, ToolCall, ToolSpec
 
 
@@ -33,6 +34,99 @@ class SessionDirectory:
             self._handles = [ray.get_actor(n, namespace=self.namespace) for n in self.shard_names]
         return self._handles[shard_for(session_id, len(self._handles))]
 
+    def session_id(self, like: str | None = None) -> str:
+        """A new session id; with `like`, one on the same shard as that session (a group's
+        sessions share a shard, so their first turns go there in one call)."""
+        while True:
+            sid = uuid.uuid4().hex
+            if like is None or (shard_for(sid, len(self.shard_names))
+                                == shard_for(like, len(self.shard_names))):
+                return sid
+
+
+class FirstTurns:
+    """Gathers the first chat turns of a group's episodes into one `SessionShard.turns` call
+    per shard: one Ray RPC, one engine request and one prompt prefix for the group instead of
+    one each per episode (a group's sessions share a shard: `SessionDirectory.session_id`).
+
+    A batch goes when every member still running has sent its first turn, or `wait_s` after
+    the first one arrived (a member whose setup is slow joins a later batch). A member that
+    ends without sending one calls `leave`. A member cancelled before its batch goes is taken
+    out of it; one cancelled while its batch is in flight leaves it running for the others
+    (the call opens its session; the member's own clean-up, sent later to the same shard,
+    closes it); when every member of a batch is cancelled, the shard's call is cancelled."""
+
+    def __init__(self, members: int, wait_s: float = 0.25) -> None:
+        self.expected = members  # members whose first turn has not arrived yet
+        self.like: str | None = None  # the first member's session id (the others' shard)
+        self.wait_s = wait_s
+        self._pending: list[tuple[Any, TurnCall, asyncio.Future[dict[str, Any]]]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def leave(self) -> None:
+        """A member that ended without sending a first turn."""
+        self.expected -= 1
+        if self.expected <= 0:
+            self._flush()
+
+    async def turn(self, shard: Any, call: TurnCall) -> dict[str, Any]:
+        """`SessionShard.turn`'s answer for `call`, sent to `shard` with its siblings'."""
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending.append((shard, call, fut))
+        self.expected -= 1
+        if self.expected <= 0:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.wait_s, self._flush)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self._pending = [p for p in self._pending if p[2] is not fut]  # if not sent yet
+            fut.cancel()
+            raise
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        by_shard: dict[int, list[tuple[Any, TurnCall, asyncio.Future[Any]]]] = {}
+        for p in self._pending:
+            by_shard.setdefault(id(p[0]), []).append(p)
+        self._pending = []
+        for batch in by_shard.values():
+            task = asyncio.get_running_loop().create_task(self._send(batch),
+                                                          name="rl360-first-turns")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[tuple[Any, TurnCall, asyncio.Future[Any]]]) -> None:
+        shard, calls, futs = batch[0][0], [p[1] for p in batch], [p[2] for p in batch]
+        call = asyncio.ensure_future(until_shard_answers(lambda: shard.turns.remote(calls)))
+
+        def all_cancelled(_: Any) -> None:
+            if all(f.cancelled() for f in futs):
+                call.cancel()  # until_shard_answers cancels the shard's call
+
+        for f in futs:
+            f.add_done_callback(all_cancelled)
+        try:
+            outs = await call
+        except asyncio.CancelledError:
+            for f in futs:
+                f.cancel()
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise  # this task itself was cancelled (the actor is going away)
+            return
+        except Exception as exc:  # every member sees the failure as its own
+            for f in futs:
+                if not f.done():
+                    f.set_exception(exc)
+            return
+        for f, out in zip(futs, outs, strict=True):
+            if not f.done():
+                f.set_result(out)
+
 
 class ShardChatClient:
     """A ChatClient for one session, calling its shard actor.
@@ -44,8 +138,12 @@ class ShardChatClient:
     shard instead of three (open, chat, close)."""
 
     def __init__(self, shard: Any, session_id: str, token: str, sampling: dict[str, Any],
-                 open_meta: dict[str, Any] | None = None, close_final: bool = False) -> None:
+                 open_meta: dict[str, Any] | None = None, close_final: bool = False,
+                 first_turns: FirstTurns | None = None) -> None:
+        """`first_turns`: the group's batcher, which sends this session's first turn (the
+        one that opens it) together with its siblings'."""
         self.shard = shard
+        self.first_turns = first_turns
         self.session_id = session_id
         self.token = token
         self.sampling = dict(sampling)
@@ -62,8 +160,14 @@ class ShardChatClient:
 
         # a first turn opens the session, so it may be retried while the shard restarts; a
         # chat on an open session is not
-        out = await (until_shard_answers(call) if self.open_meta is not None
-                     else _cancellable(call()))
+        if self.open_meta is not None and self.first_turns is not None:
+            batcher, self.first_turns = self.first_turns, None
+            out = await batcher.turn(self.shard, TurnCall(self.session_id, self.token, req,
+                                                          self.open_meta, self.close_final))
+        elif self.open_meta is not None:
+            out = await until_shard_answers(call)
+        else:
+            out = await _cancellable(call())
         if "opened" in out:
             if isinstance(out["opened"], ApiError):
                 raise InfraError(f"could not open a session: {out['opened']}")

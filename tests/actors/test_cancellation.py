@@ -81,3 +81,33 @@ def test_a_cancelled_episode_closes_its_session_and_drops_its_engine_request(ray
     wait_for(lambda: "cancelled" in ray.get(recorder.log.remote()), "the engine request to drop")
     for a in (env, shard, recorder):
         ray.kill(a)
+
+
+def test_a_cancelled_group_closes_every_session_and_drops_its_batched_request(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """The group path (`rollout_group`): the members' first turns reach the shard in one
+    `turns` call and the engine in one request; cancelling the group cancels that call, every
+    generation in it, and closes every session."""
+    from rl360.actors.env_pool import EnvActor, with_plain_asyncio
+    from rl360.serve.sessions.shard import SessionShard
+
+    recorder = ray.remote(Recorder).remote()
+    shard = ray.remote(SessionShard).options(name="rl360-test-shard-g", namespace=NS).remote(
+        ModelSection(), ServeSection(), "rl360", HangingEngine(recorder))
+    env = ray.remote(EnvActor).options(
+        **with_plain_asyncio({"num_cpus": 0}), max_concurrency=4).remote(
+        EnvSection(sandbox="process"), {"max_tokens": 8}, ["rl360-test-shard-g"], NS,
+        "http://127.0.0.1:1")
+    outs = env.rollout_group.options(num_returns=6).remote(
+        Task(id="t0", prompt="x", data={"tests": ["assert True"]}), "g0", 3, None)
+    wait_for(lambda: ray.get(recorder.log.remote()).count("generate") == 3, "the first turns")
+    assert ray.get(shard.stats.remote())["open_sessions"] == 3
+    ray.cancel(outs[0])
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+        ray.get(outs[3], timeout=60)
+    wait_for(lambda: ray.get(shard.stats.remote())["open_sessions"] == 0, "the sessions to close")
+    stats = ray.get(shard.stats.remote())
+    assert stats["sessions_closed"] == 3 and stats.get("sessions_reaped", 0) == 0
+    wait_for(lambda: ray.get(recorder.log.remote()).count("cancelled") == 3,
+             "the engine requests to drop")
+    for a in (env, shard, recorder):
+        ray.kill(a)

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from rl360.actors.buffer import to_samples
-from rl360.actors.session_client import ShardChatClient
+from rl360.actors.session_client import FirstTurns, ShardChatClient
 from rl360.envs.agent import run_episode
 from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.recipe import EngineSection, ModelSection, ServeSection
@@ -56,13 +56,29 @@ class OneToolEnv(Env):
         return Reward(1.0 if self.transcript[-1].content == "42" else 0.0)
 
 
+class CountingEngine(LocalEngineClient):
+    """The in-process engine client, counting requests (`generate_many`: one per call)."""
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__(backend)
+        self.requests: list[tuple[str, int]] = []  # (method, generations)
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, route_key: Any) -> Any:
+        self.requests.append(("generate", 1))
+        return await self.backend.generate(prompt_ids, sampling)
+
+    async def generate_many(self, items: list[Any], route_key: Any) -> list[Any]:
+        self.requests.append(("generate_many", len(items)))
+        return [await self.backend.generate(ids, sp) for ids, sp in items]
+
+
 def service(**cfg: Any) -> SessionService:
     from rl360.policies.chat import ChatRenderer
     from rl360.policies.loading import load_tokenizer
 
     r = ChatRenderer(load_tokenizer("tiny", "auto"))
     be = ScriptedBackend(EngineSection(options={"rules": RULES}), ModelSection(), tokenizer=r.tokenizer)
-    return SessionService(r, LocalEngineClient(be), ServeSection(**cfg),
+    return SessionService(r, CountingEngine(be), ServeSection(**cfg),
                           max_model_len=ModelSection().max_model_len, model_name="rl360")
 
 
@@ -110,7 +126,7 @@ class CountingShard:
 
         shard = SessionShard.over(svc)
         self.calls: Counter[str] = Counter()
-        for name in ("open", "chat", "turn", "close"):
+        for name in ("open", "chat", "turn", "turns", "close"):
             setattr(self, name, _Method(self._counted(name, getattr(shard, name))))
 
     def _counted(self, name: str, fn: Any) -> Any:
@@ -148,3 +164,76 @@ async def test_a_turn_that_cannot_open_says_why_and_runs_no_chat() -> None:
     assert "session_exists" in result.reason and svc.events["chat_completions"] == 0
     with pytest.raises(LedgerError, match="at least 16"):
         svc.open({}, None, "s2", token="short")
+
+
+async def test_a_groups_first_turns_go_in_one_shard_call_and_one_engine_request() -> None:
+    """FirstTurns: the first turns of a group's 4 episodes (which open their sessions) go
+    to the shard in one `turns` call and to the engine in one request; each episode keeps
+    its own session, ledger and outcome, and the later turns go one by one."""
+    import asyncio
+
+    svc = service()
+    shard = CountingShard(svc)
+    batch = FirstTurns(4, wait_s=30.0)  # all four arrive: no waiting on the timer
+    clients = [ShardChatClient(shard, f"s{i}", "t" * 24, {"temperature": 1.0},
+                               open_meta={"task_id": "t1", "group_id": "g1"}, close_final=True,
+                               first_turns=batch) for i in range(4)]
+    results = await asyncio.wait_for(asyncio.gather(*(
+        run_episode(OneToolEnv(), Task(id="t1", prompt="do it"), MemorySandbox(), c)
+        for c in clients)), 10)
+    assert all(r.status == "ok" and r.reward is not None and r.reward.value == 1.0
+               for r in results)
+    assert dict(shard.calls) == {"turns": 1, "turn": 4}  # the second turns: one each
+    engine = svc.engine
+    assert isinstance(engine, CountingEngine)
+    assert engine.requests.count(("generate_many", 4)) == 1
+    assert sorted(engine.requests) == [("generate", 1)] * 4 + [("generate_many", 4)]
+    assert svc.sessions == {}
+    trajs = [msgspec.convert(c.closed, Trajectory) for c in clients]
+    assert {t.session_id for t in trajs} == {"s0", "s1", "s2", "s3"}
+    for t in trajs:
+        assert t.turns == 2 and t.group_id == "g1" and t.rerender == {"match": True}
+        assert len(t.tokens) == len(t.mask) == len(t.logprobs) and sum(t.mask) > 0
+    assert len({tuple(t.tokens) for t in trajs}) == 1  # same prompt, same scripted replies
+
+
+async def test_first_turns_go_without_a_member_that_left_or_was_refused() -> None:
+    """A member that ends before its first turn (`leave`) does not hold the batch back; a
+    member the shard refuses (its session id is taken) fails alone, saying why."""
+    import asyncio
+
+    svc = service()
+    shard = CountingShard(svc)
+    svc.open({}, None, "taken")
+    batch = FirstTurns(3, wait_s=30.0)
+    clients = [ShardChatClient(shard, sid, "t" * 24, {}, open_meta={}, close_final=True,
+                               first_turns=batch) for sid in ("ok", "taken")]
+
+    async def leaves() -> None:
+        await asyncio.sleep(0.05)
+        batch.leave()
+
+    ok, refused, _ = await asyncio.wait_for(asyncio.gather(*(
+        run_episode(OneToolEnv(), Task(id="t1", prompt="do it"), MemorySandbox(), c)
+        for c in clients), leaves()), 10)
+    assert ok.status == "ok"
+    assert refused.status == "infra_error" and "session_exists" in refused.reason
+    assert shard.calls["turns"] == 1
+
+
+async def test_a_member_cancelled_before_its_batch_goes_is_left_out() -> None:
+    import asyncio
+
+    svc = service()
+    shard = CountingShard(svc)
+    batch = FirstTurns(2, wait_s=30.0)
+    a, b = (ShardChatClient(shard, sid, "t" * 24, {}, open_meta={}, close_final=True,
+                            first_turns=batch) for sid in ("a", "b"))
+    msgs = [Message(role="user", content="summarize")]
+    first = asyncio.ensure_future(a.chat(msgs, []))
+    await asyncio.sleep(0.01)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    turn = await asyncio.wait_for(b.chat(msgs, []), 10)
+    assert turn.message.content == "short." and b.closed is not None
+    assert shard.calls["turns"] == 1 and "a" not in svc.sessions  # a was never opened
