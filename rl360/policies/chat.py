@@ -6,11 +6,15 @@ it for first prompts and for template deltas; it never re-encodes what the model
 
 from __future__ import annotations
 
+import collections
 import json
 import re
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from rl360.types import FunctionCall, Message, ToolCall, ToolSpec
 
@@ -59,6 +63,14 @@ class ChatRenderer:
         alts.discard(self.end_of_turn_id)
         self.alt_eos_ids: list[int] = sorted(alts)
         self.special_ids: set[int] = set(tokenizer.all_special_ids) | {self.end_of_turn_id}
+        # render memo: a group's sessions render the same first prompt, and the ledger's
+        # re-render check renders each finished conversation again (identical answers: the
+        # same conversation). Small conversations only; LRU; shared by the render thread and
+        # the event loop, hence the lock. Off for a template that reads the clock (a date in
+        # the system prompt), whose render is not a function of the conversation alone.
+        self._memo_on = "strftime" not in str(tokenizer.chat_template)
+        self._memo: collections.OrderedDict[bytes, tuple[int, ...]] = collections.OrderedDict()
+        self._memo_lock = threading.Lock()
 
     @property
     def eos_ids(self) -> list[int]:
@@ -66,14 +78,32 @@ class ChatRenderer:
 
     # ------------------------------------------------------------------ rendering
 
+    MEMO_ENTRIES = 4096
+    MEMO_MAX_KEY = 8192  # bytes of a conversation's JSON; larger ones are rendered each time
+
     def render(
         self,
         messages: list[Message],
         tools: list[ToolSpec] | None,
         add_generation_prompt: bool,
     ) -> list[int]:
+        """The conversation's token ids (a pure function of its arguments: memoised)."""
+        key = msgspec.json.encode((messages, tools, add_generation_prompt)) if self._memo_on else b""
+        if len(key) > self.MEMO_MAX_KEY:
+            key = b""
+        with self._memo_lock:
+            hit = self._memo.get(key) if key else None
+            if hit is not None:
+                self._memo.move_to_end(key)
+                return list(hit)
         text = self.render_text(messages, tools, add_generation_prompt)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if key:
+            with self._memo_lock:
+                self._memo[key] = tuple(ids)
+                if len(self._memo) > self.MEMO_ENTRIES:
+                    self._memo.popitem(last=False)
+        return ids
 
     def render_text(
         self,

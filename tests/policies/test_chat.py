@@ -48,3 +48,29 @@ def test_tools_render_the_same_after_crossing_a_process(renderer) -> None:  # ty
     a = renderer.render_text(msgs, local, add_generation_prompt=True)
     assert a == renderer.render_text(msgs, moved, add_generation_prompt=True)
     assert a.count('"type": "function"') == len(local)
+
+
+def test_render_memo_gives_fresh_equal_ids(renderer) -> None:  # type: ignore[no-untyped-def]
+    """A repeated render comes from the memo: equal to a render from scratch, and a copy
+    (a caller that appends to its ids does not change the next caller's)."""
+    from rl360.policies.chat import ChatRenderer
+
+    msgs = [Message(role="system", content="be brief"), Message(role="user", content="hi")]
+    first = renderer.render(msgs, None, True)
+    first.append(-1)
+    again = renderer.render(msgs, None, True)
+    assert again == first[:-1]
+    assert again == ChatRenderer(renderer.tokenizer).render(msgs, None, True)
+    assert renderer.render(msgs, None, False) != again  # the flag is part of the key
+
+
+def test_render_memo_is_off_for_a_template_that_reads_the_clock(renderer) -> None:  # type: ignore[no-untyped-def]
+    import copy
+
+    from rl360.policies.chat import ChatRenderer
+
+    tok = copy.deepcopy(renderer.tokenizer)
+    tok.chat_template = "{{ strftime_now('%d %b %Y') }}" + tok.chat_template
+    r = ChatRenderer(tok)
+    r.render([Message(role="user", content="hi")], None, True)
+    assert not r._memo
