@@ -63,7 +63,9 @@ class ControllerFailed(RuntimeError):
 @dataclass
 class _Group:
     task: Task
-    records: list[Any]  # ObjectRef[EpisodeRecord] per episode: what the controller fetches
+    # per episode, what the controller fetches: the group's ObjectRef[list[EpisodeRecord]]
+    # (the same ref for every member) until a member is re-run, then its own ObjectRef
+    records: list[Any]
     refs: list[Any]  # ObjectRef[Trajectory] per episode: handed on, never fetched here
     batch: int
     started: float = field(default_factory=time.monotonic)
@@ -193,7 +195,7 @@ class RolloutController:
             if t is not None:
                 t.cancel()
         for g in self.inflight.values():
-            for r in g.records:
+            for r in set(g.records):
                 ray.cancel(r)
         return self._status()
 
@@ -251,9 +253,10 @@ class RolloutController:
             # members' identical answers are graded once there (envs/agent.py: concurrent
             # identical submissions share one sandboxed run)
             a, n = self._home_actor(task.id), self.cfg.group_size
-            outs = self.env_actors[a].rollout_group.options(num_returns=2 * n).remote(
+            outs = self.env_actors[a].rollout_group.options(num_returns=n + 1).remote(
                 task, gid, n, self.sampling)
-            records, refs, actors = list(outs[:n]), list(outs[n:]), [a] * n
+            # every member's record is in the group's one list until it is re-run alone
+            records, refs, actors = [outs[0]] * n, list(outs[1:]), [a] * n
             g = self.inflight[gid] = _Group(task, records, refs,
                                             self.started // self.cfg.groups_per_batch,
                                             actors=actors, occ=occ)
@@ -319,21 +322,14 @@ class RolloutController:
         self._wake.set()
         self._wake = asyncio.Event()
 
-    async def _member(self, gid: str, g: _Group, i: int) -> EpisodeRecord:
+    async def _member(self, gid: str, g: _Group, i: int,
+                      first: list[EpisodeRecord] | None = None) -> EpisodeRecord:
         """Episode i's record (only the record: its trajectory stays where the env actor put
-        it). An episode that failed on the infrastructure, or whose env actor died under it,
-        is re-run on the next actor, `train.episode_reruns` times at most, so a transient
-        failure does not shrink its group (the GRPO baseline stays over group_size)."""
-        try:
-            rec: EpisodeRecord = await g.records[i]
-        except ray.exceptions.TaskCancelledError:
-            raise
-        except Exception as exc:  # the env actor died or its task broke: not the model's doing
-            self.counts["episodes_actor_lost"] += 1
-            self._lost_at[g.actors[i]] = time.monotonic()
-            rec = EpisodeRecord(task_id=g.task.id, group_id=gid, status="infra_error",
-                                reward=None, error=f"env actor lost: {type(exc).__name__}",
-                                domain=task_domain(g.task))
+        it): from `first`, the group's list of records, or its own re-run's ref. An episode
+        that failed on the infrastructure, or whose env actor died under it, is re-run on the
+        next actor, `train.episode_reruns` times at most, so a transient failure does not
+        shrink its group (the GRPO baseline stays over group_size)."""
+        rec = first[i] if first is not None else await self._record(gid, g, g.records[i], i)
         if rec.status != "infra_error" or g.reruns[i] >= self.cfg.episode_reruns:
             return rec
         g.reruns[i] += 1
@@ -393,10 +389,27 @@ class RolloutController:
                 f"circuit breaker: {why}; top reasons: {top} (env actor logs: the Ray "
                 "dashboard's actor pages, or /tmp/ray/session_latest/logs/worker-*)")
 
+    async def _record(self, gid: str, g: _Group, ref: Any, i: int) -> Any:
+        """The object behind `ref` (a member's record, or with i < 0 the group's list of
+        records); when the env actor died or its task broke (not the model's doing), the
+        infra_error record(s) that say so."""
+        try:
+            return await ref
+        except ray.exceptions.TaskCancelledError:
+            raise
+        except Exception as exc:
+            self.counts["episodes_actor_lost"] += 1 if i >= 0 else len(g.records)
+            self._lost_at[g.actors[max(i, 0)]] = time.monotonic()
+            lost = EpisodeRecord(task_id=g.task.id, group_id=gid, status="infra_error",
+                                 reward=None, error=f"env actor lost: {type(exc).__name__}",
+                                 domain=task_domain(g.task))
+            return lost if i >= 0 else [lost] * len(g.records)
+
     async def _watch(self, gid: str) -> None:
         g = self.inflight[gid]
         try:
-            records = list(await asyncio.gather(*(self._member(gid, g, i)
+            first = await self._record(gid, g, g.records[0], -1)  # the group's records, once
+            records = list(await asyncio.gather(*(self._member(gid, g, i, first)
                                                   for i in range(len(g.records)))))
         except (ray.exceptions.TaskCancelledError, asyncio.CancelledError):
             return  # tail-cancelled: the canceller re-queued the task
@@ -441,7 +454,7 @@ class RolloutController:
             for gid, g in list(self.inflight.items()):
                 if g.batch == oldest and now - g.started > limit:
                     self.inflight.pop(gid)
-                    for r in g.records:  # cancels the episode (both of its returns)
+                    for r in set(g.records):  # cancels the episodes (all of their returns)
                         ray.cancel(r)
                     self.requeued.append((g.task, g.batch + 1, g.occ))  # not the batch it stalled
                     self._event("requeue", g, gid)

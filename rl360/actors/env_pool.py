@@ -79,11 +79,11 @@ class _LRU(collections.OrderedDict):  # type: ignore[type-arg]
 class GroupRollout:
     """`rollout_group`: the n episodes of one group in one actor call, over the class's own
     `rollout` (the controller makes one RPC per group instead of one per episode; called with
-    `.options(num_returns=2 * n)`, its first n returns are the records, the last n the
-    trajectories, each its own object as `rollout`'s). Episodes still run concurrently and
-    each keeps its own session and sandbox; an episode that fails fails alone (`run` turns
-    every failure into an infra_error trajectory), and the controller re-runs one member with
-    `rollout`."""
+    `.options(num_returns=n + 1)`, its first return is the list of the n records, one small
+    object the controller awaits once, the other n the trajectories, each its own object as
+    `rollout`'s). Episodes still run concurrently and each keeps its own session and sandbox;
+    an episode that fails fails alone (`run` turns every failure into an infra_error
+    trajectory), and the controller re-runs one member with `rollout`."""
 
     async def rollout_group(self, task: Task, group_id: str, n: int,
                             sampling: dict[str, Any] | None = None) -> tuple[Any, ...]:
@@ -91,7 +91,7 @@ class GroupRollout:
         extra = self._group_args(n)
         pairs = await asyncio.gather(*(rollout(task, group_id, sampling, *extra)
                                        for _ in range(n)))
-        return tuple(p[0] for p in pairs) + tuple(p[1] for p in pairs)
+        return ([p[0] for p in pairs], *(p[1] for p in pairs))
 
     def _group_args(self, n: int) -> tuple[Any, ...]:
         """Extra arguments `rollout` gets for each member of a group of `n`: none here."""
