@@ -57,17 +57,23 @@ def wait_for(fn, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no
         time.sleep(0.1)
 
 
-def test_a_cancelled_episode_closes_its_session_and_drops_its_engine_request(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+def hanging_stack(shard_name: str) -> tuple[Any, Any, Any]:
+    """A recorder, a session shard over HangingEngine and an env actor using that shard."""
     from rl360.actors.env_pool import EnvActor, with_plain_asyncio
     from rl360.serve.sessions.shard import SessionShard
 
     recorder = ray.remote(Recorder).remote()
-    shard = ray.remote(SessionShard).options(name="rl360-test-shard", namespace=NS).remote(
+    shard = ray.remote(SessionShard).options(name=shard_name, namespace=NS).remote(
         ModelSection(), ServeSection(), "rl360", HangingEngine(recorder))
     env = ray.remote(EnvActor).options(
         **with_plain_asyncio({"num_cpus": 0}), max_concurrency=4).remote(
-        EnvSection(sandbox="process"), {"max_tokens": 8}, ["rl360-test-shard"], NS,
+        EnvSection(sandbox="process"), {"max_tokens": 8}, [shard_name], NS,
         "http://127.0.0.1:1")
+    return recorder, shard, env
+
+
+def test_a_cancelled_episode_closes_its_session_and_drops_its_engine_request(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    recorder, shard, env = hanging_stack("rl360-test-shard")
     record, data = env.rollout.remote(Task(id="t0", prompt="x", data={"tests": ["assert True"]}),
                                       "g0", None)
     wait_for(lambda: "generate" in ray.get(recorder.log.remote()), "the episode's first chat")
@@ -87,16 +93,7 @@ def test_a_cancelled_group_closes_every_session_and_drops_its_batched_request(ra
     """The group path (`rollout_group`): the members' first turns reach the shard in one
     `turns` call and the engine in one request; cancelling the group cancels that call, every
     generation in it, and closes every session."""
-    from rl360.actors.env_pool import EnvActor, with_plain_asyncio
-    from rl360.serve.sessions.shard import SessionShard
-
-    recorder = ray.remote(Recorder).remote()
-    shard = ray.remote(SessionShard).options(name="rl360-test-shard-g", namespace=NS).remote(
-        ModelSection(), ServeSection(), "rl360", HangingEngine(recorder))
-    env = ray.remote(EnvActor).options(
-        **with_plain_asyncio({"num_cpus": 0}), max_concurrency=4).remote(
-        EnvSection(sandbox="process"), {"max_tokens": 8}, ["rl360-test-shard-g"], NS,
-        "http://127.0.0.1:1")
+    recorder, shard, env = hanging_stack("rl360-test-shard-g")
     outs = env.rollout_group.options(num_returns=4).remote(
         Task(id="t0", prompt="x", data={"tests": ["assert True"]}), "g0", 3, None)
     wait_for(lambda: ray.get(recorder.log.remote()).count("generate") == 3, "the first turns")
