@@ -76,7 +76,10 @@ def test_a_cancelled_episode_closes_its_session_and_drops_its_engine_request(ray
     recorder, shard, env = hanging_stack("rl360-test-shard")
     record, data = env.rollout.remote(Task(id="t0", prompt="x", data={"tests": ["assert True"]}),
                                       "g0", None)
-    wait_for(lambda: "generate" in ray.get(recorder.log.remote()), "the episode's first chat")
+    # the first wait includes starting the env actor's worker (its own runtime env): slow
+    # on a loaded 2-core box (60 s was not always enough under a 2-process CPU hog)
+    wait_for(lambda: "generate" in ray.get(recorder.log.remote()), "the episode's first chat",
+             timeout_s=240)
     assert ray.get(shard.stats.remote())["open_sessions"] == 1
     ray.cancel(record)
     with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
@@ -96,7 +99,8 @@ def test_a_cancelled_group_closes_every_session_and_drops_its_batched_request(ra
     recorder, shard, env = hanging_stack("rl360-test-shard-g")
     outs = env.rollout_group.options(num_returns=4).remote(
         Task(id="t0", prompt="x", data={"tests": ["assert True"]}), "g0", 3, None)
-    wait_for(lambda: ray.get(recorder.log.remote()).count("generate") == 3, "the first turns")
+    wait_for(lambda: ray.get(recorder.log.remote()).count("generate") == 3, "the first turns",
+             timeout_s=240)  # includes the env actor's worker start (see above)
     assert ray.get(shard.stats.remote())["open_sessions"] == 3
     ray.cancel(outs[0])
     with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
