@@ -282,8 +282,10 @@ class SessionService:
             prep, req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
         )
-        # a group's sessions go to one engine replica (their prompts share a prefix)
-        route = (session.metadata.get("group_id") or sid) if session is not None else None
+        # a group's sessions go to one engine replica (their prompts share a prefix); the
+        # metadata of an HTTP session is the client's: only a non-empty string routes
+        gid = session.metadata.get("group_id") if session is not None else None
+        route = gid if isinstance(gid, str) and gid else sid
         return _ChatCall(req, session, ledger, prep, sampling, route, t0, time.monotonic())
 
     def _chat_finish(self, call: _ChatCall, gens: list[Generation]) -> dict[str, Any]:
