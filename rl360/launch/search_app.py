@@ -30,6 +30,10 @@ def search_app_name(recipe: Recipe) -> str:
     return f"{recipe.serve.app_name}-search"
 
 
+def search_url(recipe: Recipe) -> str:
+    return f"http://{recipe.serve.host}:{recipe.serve.port}{recipe.search.route}"
+
+
 def check_search(recipe: Recipe) -> None:
     """Fail before anything starts: a missing index directory names the key."""
     s = recipe.search
@@ -68,8 +72,7 @@ def start_search(recipe: Recipe, placement: Placement | None = None,
     t0 = time.monotonic()
     serve.run(app, name=name, route_prefix=s.route, blocking=False)
     _wait_running(name, timeout_s - (time.monotonic() - t0))
-    return SearchHandles(app_name=name,
-                         url=f"http://{recipe.serve.host}:{recipe.serve.port}{s.route}")
+    return SearchHandles(app_name=name, url=search_url(recipe))
 
 
 def stop_search(handles: SearchHandles | None) -> None:

@@ -72,6 +72,16 @@ class ServingHandles:
         return ray.get(self.publisher.status.remote())
 
 
+def shard_names(recipe: Recipe) -> list[str]:
+    """The session shards' actor names (known before they start: env actors find them by name)."""
+    s = recipe.serve
+    return [f"{s.app_name}-sessions-{i}" for i in range(s.session_shards)]
+
+
+def base_url(recipe: Recipe) -> str:
+    return f"http://{recipe.serve.host}:{recipe.serve.port}"
+
+
 def start_serving(recipe: Recipe, placement: Placement | None = None,
                   timeout_s: float = 300.0) -> ServingHandles:
     """Engines (on `placement`'s rollout options), shards, publisher and session servers
@@ -87,7 +97,6 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     placement = placement or LocalPlacement(recipe)
     service = placement.service_options()
     resolve_model_path(recipe.model.path)  # build/convert once, before replicas race for it
-    prefix = f"{s.app_name}-sessions"
     publisher_name = f"{s.app_name}-weights"
     # the publisher restarts with calls in flight retried; it comes back empty and is refilled
     # by the replicas (their applied versions, within a poll) and the trainer's next publish
@@ -99,7 +108,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     )
     shard_cls = ray.remote(SessionShard)
     shards = []
-    names = [f"{prefix}-{i}" for i in range(s.session_shards)]
+    names = shard_names(recipe)
     for name in names:
         shards.append(
             # a shard restarts empty: the episodes whose sessions it held fail on the
@@ -109,7 +118,8 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
                               **with_env(service, SAME_LOOP_ENV))
             .remote(recipe.model, s, recipe.run.name, ServeEngineClient(s.app_name))
         )
-    ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
+    # Serve's controller, proxies and replicas start while the shards construct (tokenizer,
+    # renderer); the session server finds them by name
     serve.start(http_options={"host": s.host, "port": s.port}, proxy_location=s.proxy_location)
     engine_opts = placement.engine_deployment_options()  # num_replicas, ray_actor_options, ...
     engine_opts["ray_actor_options"] = with_env(engine_opts.get("ray_actor_options") or {},
@@ -131,18 +141,24 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         ray_actor_options=with_env(service, SAME_LOOP_ENV),
         logging_config={"enable_access_log": False},
     ).bind(names, ns, recipe.run.name, s, engine)
-    t0 = time.monotonic()
-    serve.run(server, name=s.app_name, route_prefix="/", blocking=False)
-    _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))
-    return ServingHandles(
+    handles = ServingHandles(
         app_name=s.app_name,
-        base_url=f"http://{s.host}:{s.port}",
+        base_url=base_url(recipe),
         namespace=ns,
         shard_names=names,
         publisher_name=publisher_name,
         shards=shards,
         publisher=publisher,
     )
+    try:  # serve.run returns once the app runs (or raises when its deploy failed)
+        t0 = time.monotonic()
+        serve.run(server, name=s.app_name, route_prefix="/", blocking=False)
+        _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))
+        ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
+    except BaseException:
+        stop_serving(handles)
+        raise
+    return handles
 
 
 def _wait_running(app_name: str, timeout_s: float) -> None:

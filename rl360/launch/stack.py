@@ -1,7 +1,8 @@
 """The start-up that `rl360 train`, `eval` and `serve` share: join (or start) Ray, place the
-roles, start the Serve app, the search app (when [search] names an index) and the env actors
-(told the search URL, so envs can give agents a `search` tool); on exit stop them and remove
-the placement groups, in reverse order.
+roles, start the Serve app and the search app (when [search] names an index) on one thread
+while the env actors (told the search URL, so envs can give agents a `search` tool) and the
+caller's `early` starts run on another; on exit stop them and remove the placement groups, in
+reverse order.
 
     with running_stack(recipe) as stack:
         stack.serving, stack.search, stack.pool, stack.placement, stack.info["dashboard_url"]
@@ -12,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 
@@ -22,8 +24,8 @@ from rl360.actors.env_pool import EnvPool
 from rl360.envs.registry import check_env_params
 from rl360.launch.ingress import check_ingress, ingress_env
 from rl360.launch.roles import place_roles
-from rl360.launch.search_app import check_search, start_search, stop_search
-from rl360.launch.serve_app import start_serving, stop_serving
+from rl360.launch.search_app import check_search, search_url, start_search, stop_search
+from rl360.launch.serve_app import base_url, shard_names, start_serving, stop_serving
 from rl360.ray_session import ray_session
 from rl360.recipe import Recipe, RecipeError
 
@@ -33,14 +35,17 @@ if TYPE_CHECKING:
     from rl360.launch.search_app import SearchHandles
     from rl360.launch.serve_app import ServingHandles
 
+T = TypeVar("T")
+
 
 @dataclass
-class Stack:
+class Stack(Generic[T]):
     info: dict[str, Any]  # ray_session's: address, dashboard_url, local
     placement: Placement
     serving: ServingHandles
     pool: EnvPool | None  # None: started without env actors
     search: SearchHandles | None = None  # None: no [search] index
+    early: T | None = None  # what running_stack's `early` returned
 
 
 def check_recipe_parts(recipe: Recipe) -> None:
@@ -54,19 +59,38 @@ def check_recipe_parts(recipe: Recipe) -> None:
     check_ingress(recipe.serve)
 
 
-def service_specs(recipe: Recipe, search: SearchHandles | None) -> dict[str, Any]:
-    """What every env gets as `Env.services`: per running service, its URL and the recipe's
-    client settings (rl360.envs.search_tool turns "search" into the agents' search tool)."""
-    if search is None:
-        return {}
+def service_specs(recipe: Recipe, search: SearchHandles | None = None) -> dict[str, Any]:
+    """What every env gets as `Env.services`: per service the recipe runs, its URL and the
+    recipe's client settings (rl360.envs.search_tool turns "search" into the agents' search
+    tool). The URLs are known before the services start, so env actors can start first."""
     s = recipe.search
-    return {"search": {"url": search.url, "timeout_s": s.tool_timeout_s, "default_k": s.default_k}}
+    if not s.index:
+        return {}
+    url = search.url if search is not None else search_url(recipe)
+    return {"search": {"url": url, "timeout_s": s.tool_timeout_s, "default_k": s.default_k}}
+
+
+def _serve_apps(recipe: Recipe, placement: Placement) -> tuple[ServingHandles, SearchHandles | None]:
+    """The Serve apps, in order: rl360 (engines, shards, session server), then search."""
+    serving = start_serving(recipe, placement)
+    try:
+        return serving, start_search(recipe, placement)
+    except BaseException:
+        stop_serving(serving)
+        raise
 
 
 @contextlib.contextmanager
 def running_stack(recipe: Recipe, *, env_actors: bool = True,
-                  sampling: dict[str, Any] | None = None) -> Iterator[Stack]:
-    """Ray session + placement + Serve app (+ env actors, with `sampling` as their default)."""
+                  sampling: dict[str, Any] | None = None,
+                  early: Callable[[Placement], T] | None = None) -> Iterator[Stack[T]]:
+    """Ray session + placement + Serve apps (+ env actors, with `sampling` as their default).
+
+    Start-up overlaps: the Serve apps deploy on a thread of their own (most of their time is
+    Serve's controller, proxy and replica starts, waited on) while this thread starts the env
+    actors (they find the shards by name, at their first episode) and runs `early(placement)`,
+    the caller's own slow starts (`rl360 train`'s trainer ranks); its result is `Stack.early`.
+    Everything is up when the stack is yielded; a failure anywhere stops what did start."""
     import ray
 
 
@@ -81,15 +105,23 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
         serving: ServingHandles | None = None
         pool: EnvPool | None = None
         search: SearchHandles | None = None
+        apps = ThreadPoolExecutor(1, thread_name_prefix="rl360-serve-start")
+        started = apps.submit(_serve_apps, recipe, placement)
         try:
-            serving = start_serving(recipe, placement)
-            search = start_search(recipe, placement)
-            if env_actors:
-                pool = EnvPool(recipe.env, sampling or msgspec.to_builtins(recipe.eval.sampling),
-                               serving.shard_names, serving.namespace, serving.base_url,
-                               placement.env_options(), services=service_specs(recipe, search))
-                ray.get([a.load.remote() for a in pool.actors])  # up, or raise here
-            yield Stack(info=info, placement=placement, serving=serving, pool=pool, search=search)
+            try:
+                if env_actors:
+                    pool = EnvPool(recipe.env, sampling or msgspec.to_builtins(recipe.eval.sampling),
+                                   shard_names(recipe), recipe.ray.namespace, base_url(recipe),
+                                   placement.env_options(), services=service_specs(recipe))
+                    loaded = [a.load.remote() for a in pool.actors]
+                extra = early(placement) if early is not None else None
+            finally:  # the apps are up (or failed) before anything goes on or is torn down
+                serving, search = started.result()
+                apps.shutdown()
+            if pool is not None:
+                ray.get(loaded)  # up, or raise here
+            yield Stack(info=info, placement=placement, serving=serving, pool=pool,
+                        search=search, early=extra)
         finally:
             if pool is not None:
                 pool.shutdown()

@@ -32,6 +32,7 @@ from rl360.actors.reward_stats import first_values, with_deltas
 from rl360.actors.run_ledger import RunLedger
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.faults import faults_after, inject
+from rl360.launch.roles import Placement
 from rl360.launch.stack import Stack, running_stack
 from rl360.launch.step_log import TrainEval, TrajectoryLog, load_eval_tasks
 from rl360.launch.support import support_problems
@@ -66,21 +67,29 @@ class TrainActors:
     controller: Any  # ActorHandle[RolloutController]
 
 
-def start_train_actors(recipe: Recipe, stack: Stack, model_path: Any) -> TrainActors:
-    """The trainer ranks (on the placement's train options), the trajectory buffer and the
-    rollout controller (service role), wired to the stack's env actors and publisher."""
-    tr, t, placement = recipe.train, recipe.trainer, stack.placement
-    if stack.pool is None:
-        raise ValueError("start_train_actors needs a stack with env actors")
+def start_learners(recipe: Recipe, placement: Placement, model_path: Any) -> tuple[Any, Any]:
+    """The trainer ranks (on the placement's train options) and the trajectory buffer (service
+    role): what needs neither Serve nor the env actors, so it starts while they do
+    (`running_stack`'s `early`)."""
+    tr, t = recipe.train, recipe.trainer
+    buffer = ray.remote(TrajectoryBuffer).options(
+        name="rl360-trajectory-buffer", **placement.service_options()).remote(tr, t.advantage)
     trainer = TrainerGroup(t, model_path, temperature=tr.sampling.temperature or 1.0,
                            seed=recipe.run.seed, rank_options=placement.trainer_options)
-    service = placement.service_options()
-    buffer = ray.remote(TrajectoryBuffer).options(
-        name="rl360-trajectory-buffer", **service).remote(tr, t.advantage)
+    return trainer, buffer
+
+
+def start_train_actors(recipe: Recipe, stack: Stack[Any], model_path: Any) -> TrainActors:
+    """The trainer ranks and the buffer (`stack.early` when `start_learners` ran there) and the
+    rollout controller (service role), wired to the stack's env actors and publisher."""
+    if stack.pool is None:
+        raise ValueError("start_train_actors needs a stack with env actors")
+    trainer, buffer = stack.early or start_learners(recipe, stack.placement, model_path)
     controller = ray.remote(RolloutController).options(
-        name="rl360-rollout-controller", max_concurrency=1000, **service).remote(
-            tr, recipe.engine.replicas, stack.pool.actors, buffer, stack.serving.publisher,
-            seed=recipe.run.seed)
+        name="rl360-rollout-controller", max_concurrency=1000,
+        **stack.placement.service_options()).remote(
+            recipe.train, recipe.engine.replicas, stack.pool.actors, buffer,
+            stack.serving.publisher, seed=recipe.run.seed)
     ray.get([buffer.size.remote(), controller.status.remote()])  # up, or raise here
     return TrainActors(trainer=trainer, buffer=buffer, controller=controller)
 
@@ -156,8 +165,11 @@ class TrainRun:
         model_path = resolve_model_path(recipe.model.path)
         (self.run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
         self.ledger = RunLedger(self.run_dir, self.step0 if self.ckpt else None)
-        with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling)) as stack:
-            actors = start_train_actors(recipe, stack, self.ckpt / "model" if self.ckpt else model_path)
+        policy = self.ckpt / "model" if self.ckpt else model_path
+        with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling),
+                           early=lambda placement: start_learners(recipe, placement, policy)
+                           ) as stack:
+            actors = start_train_actors(recipe, stack, policy)
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
                                         recipe.engine.replicas, dtype=recipe.model.dtype,
                                         inplace=recipe.engine.backend == "torch")
