@@ -40,7 +40,7 @@ from rl360.envs.agent import run_agent_fn, run_episode
 from rl360.envs.api import TaskRefused, open_sandbox
 from rl360.envs.registry import build_env_for, resolve
 from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
-from rl360.policies.devices import pin_to_cpus
+from rl360.policies.affinity import pin_to_cpus
 from rl360.recipe import EnvSection, SandboxLimits
 from rl360.types import EpisodeRecord, Task, Trajectory
 

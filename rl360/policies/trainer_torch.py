@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rl360.policies.affinity import pin_to_cpus
 from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validate_samples
-from rl360.policies.devices import Placement, pin_to_cpus, select_device
+from rl360.policies.devices import Placement, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
 from rl360.recipe import TrainerSection

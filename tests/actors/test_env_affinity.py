@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from rl360.policies.devices import pin_to_cpus
+from rl360.policies.affinity import pin_to_cpus
 
 CODE = """
 import asyncio, os

@@ -92,7 +92,7 @@ def test_cpu_pinning_covers_threads_started_before_and_after() -> None:
 
     code = (
         "import os, threading, time\n"
-        "from rl360.policies.devices import pin_to_cpus\n"
+        "from rl360.policies.affinity import pin_to_cpus\n"
         "ev = threading.Event()\n"
         "t = threading.Thread(target=ev.wait, daemon=True); t.start()\n"
         "pin_to_cpus([0], 'engine.cpu_affinity')\n"
@@ -104,7 +104,7 @@ def test_cpu_pinning_covers_threads_started_before_and_after() -> None:
 
 
 def test_cpu_pinning_to_a_missing_core_names_the_key() -> None:
-    from rl360.policies.devices import pin_to_cpus
+    from rl360.policies.affinity import pin_to_cpus
 
     pin_to_cpus([], "engine.cpu_affinity")  # no pinning asked: nothing happens
     with pytest.raises(ValueError, match=r"^trainer.cpu_affinity: no CPU core 4096 on this host"):

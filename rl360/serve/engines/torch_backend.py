@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from rl360.policies.devices import pin_to_cpus, place_for_generation, select_device
+from rl360.policies.affinity import pin_to_cpus
+from rl360.policies.devices import place_for_generation, select_device
 from rl360.policies.loading import resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt

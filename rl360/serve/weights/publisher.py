@@ -17,10 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
-from rl360.serve.weights.packing import can_load_in_place, fetch_update
-from rl360.serve.weights.transports import GlooGroup
-
 log = logging.getLogger("rl360.weights")
 
 
@@ -178,7 +174,11 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     the backend's health (busy time, tokens) every `poll_s` for the run's metrics.
     `caught_up` is set once the replica serves the newest version the publisher had when it
     first asked (a restarted replica must not serve base weights)."""
-
+    # the replica's side needs torch; imported here so the publisher's own process (which
+    # only hands out refs) does not spend seconds of start-up importing it
+    from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
+    from rl360.serve.weights.packing import can_load_in_place, fetch_update
+    from rl360.serve.weights.transports import GlooGroup
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None
