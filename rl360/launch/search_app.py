@@ -31,7 +31,9 @@ def search_app_name(recipe: Recipe) -> str:
 
 
 def search_url(recipe: Recipe) -> str:
-    return f"http://{recipe.serve.host}:{recipe.serve.port}{recipe.search.route}"
+    from rl360.launch.serve_app import base_url
+
+    return base_url(recipe) + recipe.search.route
 
 
 def check_search(recipe: Recipe) -> None:
