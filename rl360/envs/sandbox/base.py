@@ -47,6 +47,7 @@ class ExecResult(msgspec.Struct, omit_defaults=True):
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     wall_s: float = 0.0
+    warm: bool = False  # run in a fork of the sandbox's warm interpreter (exec server)
 
     @property
     def ok(self) -> bool:

@@ -71,8 +71,9 @@ ETC_FILES = (
 PROC_READONLY = ("sys", "sysrq-trigger", "fs", "bus", "irq")
 PROC_MASKED = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms")
 FORBIDDEN_WORKDIRS = ("/", "/usr", "/etc", "/proc", "/dev", "/tmp", "/bin", "/lib", "/sys")
-# processes the sandbox itself adds to the pids count: bwrap's monitor and the exec server
-BWRAP_OVERHEAD_PROCS = 2
+# processes the sandbox itself adds to the pids count: bwrap's monitor, the exec server, its
+# warm template and, during a warm exec, the template's short-lived middle process
+BWRAP_OVERHEAD_PROCS = 4
 
 
 @functools.cache

@@ -161,6 +161,7 @@ class ServerChannel:
             stdout_truncated=bool(header.get("out_trunc")),
             stderr_truncated=bool(header.get("err_trunc")),
             wall_s=time.monotonic() - t0,
+            warm=bool(header.get("warm")),
         )
 
     async def write_file(self, path: str, data: bytes, mode: int | None) -> None:

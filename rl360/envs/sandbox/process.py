@@ -119,11 +119,12 @@ class ProcessSandbox(ServedSandbox):
     async def sweep(self, dirs: Sequence[str] = ()) -> int:
         self._check_open()
         await self.start()
-        server = self._proc.pid if self._proc is not None else -1
+        # the exec server and its warm template (server.py) are the sandbox's own helpers
+        spare = {self._proc.pid if self._proc is not None else -1, self.ready_info.get("template")}
         killed = 0
         for _ in range(50):
             pids = [p for p in await asyncio.to_thread(_marked_pids, self.sandbox_id)]
-            pids = [p for p in pids if p != server]
+            pids = [p for p in pids if p not in spare]
             if not pids:
                 break
             for pid in pids:

@@ -16,6 +16,7 @@ import signal
 import time
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from rl360.envs.sandbox.base import (
     ExecResult,
@@ -50,6 +51,7 @@ class ServedSandbox(Sandbox):
         self._chan: ServerChannel | None = None
         self._start_lock = asyncio.Lock()
         self.start_s = 0.0
+        self.ready_info: dict[str, Any] = {}  # the exec server's ready message (pid, template)
 
     @abc.abstractmethod
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
@@ -85,7 +87,7 @@ class ServedSandbox(Sandbox):
                     start_new_session=True,
                 )
                 self._chan = ServerChannel(self._proc, self.sandbox_id)
-                await self._chan.wait_ready(START_TIMEOUT_S)
+                self.ready_info = await self._chan.wait_ready(START_TIMEOUT_S)
                 await self._after_ready()
             except (OSError, SandboxError, ValueError, RuntimeError) as e:
                 await self._kill_and_teardown()

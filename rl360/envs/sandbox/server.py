@@ -12,11 +12,23 @@ sandboxed code cannot ptrace it.
 
 Frame (both directions): 4-byte big-endian header length, the JSON header, then the raw bytes
 of each blob whose lengths the header lists under "blobs".
+Warm Python: an exec of `<this interpreter> -I -S -c <code> [args]` (the server's own interpreter
+and flags) runs in a fork of a TEMPLATE instead of a new interpreter (~half a grading's CPU:
+the interpreter start and its imports). The template is forked from the server before the
+server reads a byte of any request, so it never holds one (nonces, solutions, files); it only
+forks. A job reaches it through a double fork (the server, subreaper or init, reaps it as its own
+child) and gets its code, args, env and cwd through a pipe of its own, after the fork; it then
+runs like a fresh `python -I -S -c` (new session, the rlimits, `__main__`, exit code). The
+template is no target the sweep kills; a template that died or stopped is dropped and later
+execs start interpreters again.
+
 Requests: {"id", "op": "ping" | "exec" | "write" | "read" | "sweep", ...}. An exec's optional
 blob is its stdin (a memfd: no path names it). Reads return at most READ_CAP bytes. The server
 ignores every signal it can (SIGKILL and SIGSTOP cannot be); its commands get the defaults back.
 """
 
+import _socket
+import builtins
 import ctypes
 import errno
 import json
@@ -31,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HDR = struct.Struct(">I")
 DRAIN_S = 0.05  # after the main process exits, how long to wait for pipes held by its children
@@ -72,6 +85,175 @@ class Capped:
         return bytes(self.head) + note + bytes(self.tail), True
 
 
+WARM_FLAGS = ["-I", "-S"]  # the flags this server runs with: a warm exec must ask for them
+WARM_PAYLOAD_MAX = 32768  # a warm job's code, args, env and cwd: must fit its pipe at once
+WARM_REPLY_S = 5.0  # the most the server waits for the template to fork a job
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+
+
+def prctl(option, value):
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def apply_limits(rlimits, oom_adj):
+    """The rlimits and OOM score every job gets (exec'd or warm)."""
+    for res, val in rlimits:
+        _, hard = resource.getrlimit(res)
+        want_hard = val + 1 if res == resource.RLIMIT_CPU else val
+        if hard != resource.RLIM_INFINITY:
+            want_hard = min(want_hard, hard)
+        resource.setrlimit(res, (min(val, want_hard), want_hard))
+    if oom_adj is not None:
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write(str(oom_adj))
+        except OSError:
+            pass
+
+
+def fork_template(rlimits, oom_adj):
+    """Fork the template (a pristine copy of this interpreter); (socket, pid) or None."""
+    if not prctl(PR_SET_CHILD_SUBREAPER, 1):  # warm jobs must become our children
+        return None
+    try:
+        ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        pid = os.fork()
+    except OSError:
+        return None
+    if pid:
+        theirs.close()
+        ours.settimeout(WARM_REPLY_S)
+        return ours, pid
+    try:  # the template: none of the server's channels (the host must see EOF when it dies)
+        ours.close()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, theirs.fileno())
+        os.closerange(theirs.fileno() + 1, 1 << 16)
+        prctl(PR_SET_DUMPABLE, 0)  # its jobs must not trace it and rig the next one
+        template_main(theirs, rlimits, oom_adj)
+    finally:
+        os._exit(0)
+
+
+def template_main(sock, rlimits, oom_adj):
+    """Fork a job for each request (one byte and four fds: control, stdin, stdout, stderr)."""
+    while True:
+        try:
+            msg, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(4 * 4))
+        except OSError:
+            return
+        if not msg:
+            return  # the server is gone
+        fds = []
+        for level, kind, data in anc:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds += struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4])
+        if len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            sock.sendall(struct.pack(">q", -1))
+            continue
+        try:
+            mid = os.fork()
+        except OSError:
+            mid = -1
+        if mid == 0:  # the middle process: fork the job, tell the server its pid, exit
+            try:
+                job = os.fork()
+            except OSError:
+                job = -1
+            if job == 0:
+                sock.close()
+                warm_job(*fds, rlimits, oom_adj)
+            try:
+                sock.sendall(struct.pack(">q", job))
+            finally:
+                os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        if mid < 0:
+            sock.sendall(struct.pack(">q", -1))
+        else:
+            os.waitpid(mid, 0)
+
+
+def warm_job(ctl, fin, fout, ferr, rlimits, oom_adj):
+    """Run one job as `python -I -S -c code args` would; never returns."""
+    rc = 1
+    try:
+        os.setsid()
+        os.dup2(fin, 0)
+        os.dup2(fout, 1)
+        os.dup2(ferr, 2)
+        chunks = []
+        while True:
+            chunk = os.read(ctl, CHUNK)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        job = json.loads(b"".join(chunks))
+        os.closerange(3, 1 << 16)
+        apply_limits(rlimits, oom_adj)
+        prctl(PR_SET_DUMPABLE, 1)  # as an exec'd process is
+        os.chdir(job["cwd"])
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.argv = ["-c", *job["args"]]
+        main = types.ModuleType("__main__")
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        try:
+            exec(compile(job["code"], "<string>", "exec"), main.__dict__)
+            rc = 0
+        except SystemExit as e:
+            rc = exit_code(e.code)
+        except BaseException as e:  # the traceback starts at the job's code, as an interpreter's
+            e.__traceback__ = e.__traceback__.tb_next
+            sys.excepthook(type(e), e, e.__traceback__)
+            rc = 1
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()
+        except BaseException:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(rc)
+
+
+def exit_code(code):
+    """The exit status SystemExit(code) gives an interpreter."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except BaseException:
+        pass
+    return 1
+
+
+class WarmProc:
+    """What a Job needs of a Popen, for a warm job."""
+
+    def __init__(self, pid, out_r, err_r):
+        self.pid = pid
+        self.returncode = None
+        self.stdout = os.fdopen(out_r, "rb", buffering=0)
+        self.stderr = os.fdopen(err_r, "rb", buffering=0)
+
+
 class Job:
     def __init__(self, rid, proc, timeout, cap):
         self.rid = rid
@@ -84,6 +266,7 @@ class Job:
         self.timed_out = False
         self.rc = None
         self.exited_at = None
+        self.warm = False
 
 
 class Server:
@@ -92,6 +275,8 @@ class Server:
         self.workdir = cfg["workdir"]
         self.rlimits = [(getattr(resource, k), int(v)) for k, v in cfg.get("rlimits", {}).items()]
         self.oom_adj = cfg.get("oom_score_adj", 1000)
+        # first, before any request is read: the template must never hold one
+        self.template = fork_template(self.rlimits, self.oom_adj) if cfg.get("warm", True) else None
         self.sel = selectors.DefaultSelector()
         self.jobs = {}
         self.inbuf = bytearray()
@@ -112,10 +297,7 @@ class Server:
         self.sel.register(rfd, selectors.EVENT_READ, ("sig", None))
         self.sigfd = rfd
         self.by_pid = {}
-        try:  # PR_SET_DUMPABLE = 4: no ptrace from the sandbox's own (capability-less) processes
-            ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+        prctl(PR_SET_DUMPABLE, 0)  # no ptrace from the sandbox's own (capability-less) processes
 
     # ------------------------------------------------------------------ wire
     def send(self, header, blobs=()):
@@ -197,18 +379,7 @@ class Server:
                 signal.signal(sig, signal.SIG_DFL)
             except (OSError, ValueError):
                 pass
-        for res, val in self.rlimits:
-            _, hard = resource.getrlimit(res)
-            want_hard = val + 1 if res == resource.RLIMIT_CPU else val
-            if hard != resource.RLIM_INFINITY:
-                want_hard = min(want_hard, hard)
-            resource.setrlimit(res, (min(val, want_hard), want_hard))
-        if self.oom_adj is not None:
-            try:
-                with open("/proc/self/oom_score_adj", "w") as f:
-                    f.write(str(self.oom_adj))
-            except OSError:
-                pass
+        apply_limits(self.rlimits, self.oom_adj)
 
     def regular(self, path, flags, mode):
         """Open `path` without blocking (a FIFO would stall the whole server) and only when it
@@ -239,8 +410,10 @@ class Server:
         """Kill every other process this server can see (as the pid namespace's init: all of
         the sandbox's) and empty `dirs`. Returns what it found."""
         me, killed = os.getpid(), 0
+        self.check_template()
+        spare = {me, self.template[1]} if self.template is not None else {me}
         for _ in range(20 if me == 1 else 0):
-            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != me]
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in spare]
             if not pids:
                 break
             for pid in pids:
@@ -255,6 +428,18 @@ class Server:
         for d in dirs:
             removed += self.empty_dir(d)
         return {"killed": killed, "swept": me == 1, "removed": removed}
+
+    def check_template(self):
+        """Drop a template that is not asleep waiting for the server (stopped or traced)."""
+        if self.template is None:
+            return
+        try:
+            with open(f"/proc/{self.template[1]}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = b"?"
+        if state not in (b"S", b"R"):
+            self.drop_template()
 
     def empty_dir(self, d):
         removed = 0
@@ -274,12 +459,79 @@ class Server:
                 pass
         return removed
 
+    def warm_args(self, argv, env, cwd):
+        """(code, args) when `argv` is this interpreter with its own flags and `-c`, else None."""
+        if self.template is None or len(argv) < 4 or argv[1 : 1 + len(WARM_FLAGS)] != WARM_FLAGS:
+            return None
+        i = 1 + len(WARM_FLAGS)
+        if argv[i] != "-c" or len(argv) < i + 2 or not os.path.isdir(cwd):
+            return None
+        exe = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
+        if not exe or os.path.realpath(exe) != os.path.realpath(sys.executable):
+            return None
+        return argv[i + 1], argv[i + 2 :]
+
+    def warm_spawn(self, code, args, env, cwd, stdin):
+        """Fork a job from the template; a WarmProc, or None (start an interpreter instead)."""
+        payload = json.dumps({"code": code, "args": args, "env": env, "cwd": cwd}).encode()
+        if len(payload) > WARM_PAYLOAD_MAX:
+            return None
+        ours, theirs = [], []  # theirs: control (read end), stdin, stdout, stderr
+        try:
+            ctl_r, ctl_w = os.pipe()
+            ours.append(ctl_w)
+            theirs.append(ctl_r)
+            theirs.append(self.stdin_fd(stdin) if stdin is not None
+                          else os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            for _ in range(2):
+                r, w = os.pipe()
+                ours.append(r)
+                theirs.append(w)
+            os.write(ctl_w, payload)  # fits the pipe's buffer: never blocks
+            os.close(ours.pop(0))
+            self.template[0].sendmsg(
+                [b"F"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("4i", *theirs))])
+            reply = b""
+            while len(reply) < 8:
+                chunk = self.template[0].recv(8 - len(reply))
+                if not chunk:
+                    raise OSError("the template is gone")
+                reply += chunk
+            (pid,) = struct.unpack(">q", reply)
+            if pid <= 0:
+                raise OSError("the template could not fork")
+        except OSError:  # a dead, stopped or failing template: no more warm execs here
+            for fd in ours:
+                os.close(fd)
+            self.drop_template()
+            return None
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        return WarmProc(pid, *ours)
+
+    def drop_template(self):
+        if self.template is None:
+            return
+        sock, pid = self.template
+        self.template = None
+        sock.close()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
     def start_exec(self, rid, req, stdin=None):
         argv = req["argv"]
         env = dict(os.environ)
         env.update(req.get("env") or {})
         cwd = self.path(req.get("cwd") or self.workdir)
         cap = int(req.get("cap", 65536))
+        warm = self.warm_args(argv, env, cwd)
+        proc = self.warm_spawn(*warm, env, cwd, stdin) if warm is not None else None
+        if proc is not None:
+            self.add_job(rid, proc, req, cap, warm=True)
+            return
         in_fd = self.stdin_fd(stdin) if stdin is not None else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(
@@ -301,7 +553,11 @@ class Server:
         finally:
             if stdin is not None:
                 os.close(in_fd)
+        self.add_job(rid, proc, req, cap)
+
+    def add_job(self, rid, proc, req, cap, warm=False):
         job = Job(rid, proc, float(req.get("timeout", 30.0)), cap)
+        job.warm = warm
         for name, pipe in (("out", proc.stdout), ("err", proc.stderr)):
             fd = pipe.fileno()
             os.set_blocking(fd, False)
@@ -319,6 +575,10 @@ class Server:
                 return
             if pid == 0:
                 return
+            if self.template is not None and pid == self.template[1]:
+                self.template[0].close()
+                self.template = None
+                continue
             job = self.by_pid.pop(pid, None)
             if job is not None:
                 job.rc = os.waitstatus_to_exitcode(status)
@@ -345,6 +605,10 @@ class Server:
         del job.fds[fd]
 
     def kill_group(self, job):
+        try:  # a warm job may not have called setsid yet
+            os.kill(job.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
         for _ in range(3):
             try:
                 os.killpg(job.proc.pid, signal.SIGKILL)
@@ -364,6 +628,7 @@ class Server:
             "out_trunc": out_trunc,
             "err_trunc": err_trunc,
             "wall": time.monotonic() - job.start,
+            "warm": job.warm,
         }
         del self.jobs[job.rid]
         self.send(header, [out, err])
@@ -394,7 +659,8 @@ class Server:
         sys.exit(0)
 
     def run(self):
-        self.send({"id": 0, "ok": True, "ready": True, "pid": os.getpid()})
+        template = self.template[1] if self.template is not None else None
+        self.send({"id": 0, "ok": True, "ready": True, "pid": os.getpid(), "template": template})
         while True:
             for key, _ in self.sel.select(self.next_timeout()):
                 kind, job = key.data
