@@ -8,7 +8,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,57 +28,28 @@ class MetricsSink:
         if resume and self.path.exists():
             self.rows = [json.loads(line) for line in self.path.open() if line.strip()]
         self._file = self.path.open("a" if resume else "w")
-        # wandb (its import and init: seconds of a start-up) starts on a thread of its own, so
-        # a sink made before the Ray stack costs the run nothing; rows logged before it is up
-        # wait in `_wandb_rows`
-        self._wandb: Any = None
-        self._wandb_rows: list[dict[str, Any]] = []
-        self._wandb_thread: threading.Thread | None = None
-        if wandb_mode != "disabled":
-            _wandb_env(run_dir)  # the environment is set here, never from the thread
-            self._wandb_thread = threading.Thread(
-                target=self._start_wandb, args=(run_dir, run_name, wandb_mode, config),
-                name="rl360-wandb-start", daemon=True)
-            self._wandb_thread.start()
-        self._gauges: dict[str, Any] | None = None  # made at the first row (Ray is up by then)
+        self._wandb = _start_wandb(run_dir, run_name, wandb_mode, config)
+        self._gauges: dict[str, Any] = {}
+        try:
+            from ray.util.metrics import Gauge
+
+            for k in _GAUGES:
+                self._gauges[k] = Gauge(f"rl360_{k}", f"RL360 training: {k}", tag_keys=("run",))
+        except Exception:  # outside a Ray session: no gauges
+            self._gauges = {}
         self.run_name = run_name
-        self._closed = False
-
-    def _start_wandb(self, run_dir: Path, name: str, mode: str, config: dict[str, Any]) -> None:
-        self._wandb = _start_wandb(run_dir, name, mode, config)
-
-    def _to_wandb(self, row: dict[str, Any], wait: bool = False) -> None:
-        if self._wandb_thread is not None:
-            if wait:
-                self._wandb_thread.join(120.0)
-            if self._wandb_thread.is_alive():
-                self._wandb_rows.append(row)
-                return
-            self._wandb_thread = None
-        if self._wandb is None:
-            self._wandb_rows.clear()
-            return
-        for r in [*self._wandb_rows, row]:
-            if r:
-                self._wandb.log({k: v for k, v in r.items() if isinstance(v, int | float)},
-                                step=r["step"])
-        self._wandb_rows.clear()
-
-    def _set_gauges(self, row: dict[str, Any]) -> None:
-        if self._gauges is None:
-            self._gauges = _make_gauges()
-        for k, g in self._gauges.items():
-            v = row.get(k)
-            if isinstance(v, int | float):
-                g.set(float(v), tags={"run": self.run_name})
 
     def log(self, row: dict[str, Any]) -> None:
         row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.rows.append(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        self._to_wandb(row)
-        self._set_gauges(row)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=row["step"])
+        for k, g in self._gauges.items():
+            v = row.get(k)
+            if isinstance(v, int | float):
+                g.set(float(v), tags={"run": self.run_name})
         self._progress(row)
 
     def _progress(self, row: dict[str, Any]) -> None:
@@ -104,35 +74,10 @@ class MetricsSink:
               f"{elapsed:6.0f}s  ETA {eta:5.0f}s", flush=True)
 
     def close(self) -> Path | None:
-        """Flush and close everything (wandb waits up to 2 minutes for its start); the reward
-        curve's path. Idempotent."""
-        if self._closed:
-            return None
-        self._closed = True
         self._file.close()
-        self._to_wandb({}, wait=True)
         if self._wandb is not None:
             self._wandb.finish()
         return plot_curve(self.rows, self.run_dir / "reward_curve.png")
-
-
-def _make_gauges() -> dict[str, Any]:
-    try:
-        from ray.util.metrics import Gauge
-
-        return {k: Gauge(f"rl360_{k}", f"RL360 training: {k}", tag_keys=("run",))
-                for k in _GAUGES}
-    except Exception:  # outside a Ray session: no gauges
-        return {}
-
-
-def _wandb_env(run_dir: Path) -> None:
-    """wandb's dirs inside the run dir (unless the caller set them)."""
-    wdir = run_dir / "wandb"
-    for var, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
-        (wdir / sub).mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault(var, str(wdir / sub))
-    os.environ.setdefault("WANDB_SILENT", "true")
 
 
 def _start_wandb(run_dir: Path, name: str, mode: str, config: dict[str, Any]) -> Any:
@@ -143,6 +88,10 @@ def _start_wandb(run_dir: Path, name: str, mode: str, config: dict[str, Any]) ->
               file=sys.stderr)
         mode = "offline"
     wdir = run_dir / "wandb"
+    for var, sub in (("WANDB_DIR", ""), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        (wdir / sub).mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault(var, str(wdir / sub))
+    os.environ.setdefault("WANDB_SILENT", "true")
     try:
         import wandb
 

@@ -166,17 +166,6 @@ class TrainRun:
         (self.run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
         self.ledger = RunLedger(self.run_dir, self.step0 if self.ckpt else None)
         policy = self.ckpt / "model" if self.ckpt else model_path
-        # made first: wandb starts on a thread of its own while Ray and the stack start
-        self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
-                                msgspec.to_builtins(recipe), resume=self.ckpt is not None)
-        try:
-            return self._run_stack(recipe, policy, model_path)
-        finally:
-            self.sink.close()  # a no-op after the normal close inside (idempotent)
-
-    def _run_stack(self, recipe: Recipe, policy: Any, model_path: Any) -> int:
-        tr = recipe.train
-        assert self.sink is not None
         with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling),
                            early=lambda placement: start_learners(recipe, placement, policy)
                            ) as stack:
@@ -184,6 +173,8 @@ class TrainRun:
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
                                         recipe.engine.replicas, dtype=recipe.model.dtype,
                                         inplace=recipe.engine.backend == "torch")
+            self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
+                                    msgspec.to_builtins(recipe), resume=self.ckpt is not None)
             self.first_domain = first_values(self.sink.rows)
             self.traj_log = TrajectoryLog(self.run_dir / "trajectories.jsonl",
                                           tr.log_trajectories, str(model_path), recipe.run.seed)
