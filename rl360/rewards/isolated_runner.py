@@ -21,7 +21,7 @@ only C modules and a few small pure ones (no `json`, `signal`, `socket`, `subpro
 `ctypes` packages: their enum and regex set-up cost several times the interpreter's own start).
 JSON goes through the `_json` C scanner and encoder (the ones `json` itself uses), signals and
 sockets through `_signal` and `_socket`, prctl through `_ctypes`. Started through BOOT (see
-rl360/rewards/runner_input.py) the source arrives compiled, and the spec as marshal data.
+rl360/envs/sandbox/boot.py) the source arrives compiled, and the spec as marshal data.
 """
 
 import _json
@@ -659,4 +659,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["child"]:
         child_main()
     else:
-        parent_main(globals().get("RUNNER_SOURCE"))
+        parent_main(globals().get("BOOT_SOURCE"))

@@ -122,3 +122,18 @@ async def test_a_killed_template_falls_back_to_interpreters(backend, make_sandbo
     assert (await sb.exec(py(code))).warm
     res = await sb.exec(py("print('after')"))
     assert res.stdout == "after\n" and not res.warm
+
+
+async def test_the_sweep_empties_dirs_without_following_symlinks(bwrap_backend, make_sandbox):
+    """The server's own fd-based removal (no shutil): nested dirs go, a symlink goes as a link,
+    and what it points to stays."""
+    sb = make_sandbox(bwrap_backend)
+    setup = (
+        "mkdir -p keep/sub /tmp/a/b/c && echo x > keep/sub/f && echo y > /tmp/a/b/c/f && "
+        "ln -s \"$PWD/keep\" /tmp/dirlink && ln -s \"$PWD/keep/sub/f\" /tmp/a/filelink && "
+        "mkfifo /tmp/fifo"
+    )
+    assert (await sb.exec(setup)).ok
+    assert await sb.sweep(["/tmp"]) == 0
+    left = await sb.exec("ls -A /tmp; cat keep/sub/f")
+    assert left.stdout == "x\n", left

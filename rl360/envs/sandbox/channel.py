@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import marshal
 import struct
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rl360.envs.sandbox.base import ExecResult, SandboxError, SandboxFileError, SandboxStartError
+from rl360.envs.sandbox.boot import BOOT, boot_head
 
 HDR = struct.Struct(">I")
 SERVER_SOURCE = (Path(__file__).with_name("server.py")).read_text()
@@ -22,8 +24,9 @@ EXEC_GRACE_S = 10.0  # host-side safety margin over an exec's own timeout
 
 def server_argv(python: str, config: dict[str, Any]) -> list[str]:
     """The command that starts the exec server with the given interpreter (isolated mode, no
-    site: nothing on the host's import path reaches it)."""
-    return [python, "-I", "-S", "-c", SERVER_SOURCE, json.dumps(config)]
+    site: nothing on the host's import path reaches it): BOOT, which reads the server compiled
+    from stdin (`ServerChannel` writes it first), and the config as marshal in hex."""
+    return [python, "-I", "-S", "-c", BOOT, marshal.dumps(config).hex()]
 
 
 def shell_argv(cmd: str | Sequence[str]) -> list[str]:
@@ -48,6 +51,8 @@ class ServerChannel:
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         self.proc = proc
         self.label = label
+        # what the server's BOOT reads first (server_argv): the server compiled; requests follow
+        proc.stdin.write(boot_head(SERVER_SOURCE, "server.py"))
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], list[bytes]]]] = {}
         self._ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -117,7 +122,7 @@ class ServerChannel:
         fut: asyncio.Future[tuple[dict[str, Any], list[bytes]]]
         fut = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        head = json.dumps(header).encode()
+        head = marshal.dumps(header)  # the server reads marshal (no `json` import there)
         assert self.proc.stdin is not None
         try:
             async with self._write_lock:
