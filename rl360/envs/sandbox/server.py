@@ -609,7 +609,9 @@ class Server:
         return argv[i + 1], argv[i + 2 :]
 
     def warm_spawn(self, code, args, env, cwd, stdin):
-        """Fork a job from the template; a WarmProc, or None (start an interpreter instead)."""
+        """Fork a job from the template; a Proc, or None (start an interpreter instead). A reply
+        that never comes (a template stopped for WARM_REPLY_S) drops the template; a job it may
+        still have forked then writes into closed pipes and is reaped as an orphan."""
         payload = marshal.dumps({"code": code, "args": args, "env": env, "cwd": cwd})
         if len(payload) > WARM_PAYLOAD_MAX:
             return None
