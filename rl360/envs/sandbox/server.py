@@ -140,14 +140,6 @@ def remove_in(dirfd):
     return removed
 
 
-def take_stdio(fin, fout, ferr):
-    """A job's first steps: a session of its own, then its three standard fds."""
-    os.setsid()
-    os.dup2(fin, 0)
-    os.dup2(fout, 1)
-    os.dup2(ferr, 2)
-
-
 def spawn(argv, env, cwd, in_fd, setup):
     """fork + exec `argv` in its own session with stdin `in_fd` and two new pipes; (pid,
     stdout read end, stderr read end). An exec that fails raises OSError here, as Popen does."""
@@ -163,7 +155,10 @@ def spawn(argv, env, cwd, in_fd, setup):
     if pid == 0:
         code = 0
         try:
-            take_stdio(in_fd, out_w, err_w)
+            os.setsid()
+            os.dup2(in_fd, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
             os.closerange(3, x_w)
             os.closerange(x_w + 1, MAX_FD)
             os.chdir(cwd)
@@ -329,7 +324,10 @@ def warm_job(ctl, fin, fout, ferr, rlimits, oom_adj):
     """Run one job as `python -I -S -c code args` would; never returns."""
     rc = 1
     try:
-        take_stdio(fin, fout, ferr)
+        os.setsid()
+        os.dup2(fin, 0)
+        os.dup2(fout, 1)
+        os.dup2(ferr, 2)
         chunks = []
         while True:
             chunk = os.read(ctl, CHUNK)
