@@ -383,11 +383,10 @@ def exit_code(code):
 
 
 class Proc:
-    """A job's process: its pid, exit code (set when reaped) and the read ends of its pipes."""
+    """A job's process: its pid and the read ends of its pipes (its exit code is Job.rc)."""
 
     def __init__(self, pid, out_r, err_r):
         self.pid = pid
-        self.returncode = None
         self.stdout = os.fdopen(out_r, "rb", buffering=0)
         self.stderr = os.fdopen(err_r, "rb", buffering=0)
 
@@ -413,6 +412,7 @@ class Server:
         self.workdir = cfg["workdir"]
         self.rlimits = [(getattr(resource, k), int(v)) for k, v in cfg.get("rlimits", {}).items()]
         self.oom_adj = cfg.get("oom_score_adj", 1000)
+        self.python = os.path.realpath(sys.executable)  # what a warm exec must name
         # first, before any request is read: the template must never hold one
         self.template = fork_template(self.rlimits, self.oom_adj) if cfg.get("warm", True) else None
         self.sel = Poller()
@@ -602,7 +602,7 @@ class Server:
         if argv[i] != "-c" or len(argv) < i + 2 or not os.path.isdir(cwd):
             return None
         exe = argv[0] if "/" in argv[0] else which(argv[0], env.get("PATH"))
-        if not exe or os.path.realpath(exe) != os.path.realpath(sys.executable):
+        if not exe or os.path.realpath(exe) != self.python:
             return None
         return argv[i + 1], argv[i + 2 :]
 
@@ -711,7 +711,6 @@ class Server:
             job = self.by_pid.pop(pid, None)
             if job is not None:
                 job.rc = os.waitstatus_to_exitcode(status)
-                job.proc.returncode = job.rc  # Popen must not wait for it again
                 job.exited_at = time.monotonic()
 
     def read_fd(self, job, fd, final=False):
