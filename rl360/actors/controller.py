@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 import ray
 
+from rl360.actors.env_pool import cancel_episodes
 from rl360.actors.reward_stats import task_domain
 from rl360.envs.tasks import iter_tasks
 from rl360.recipe import TrainSection
@@ -195,8 +196,7 @@ class RolloutController:
             if t is not None:
                 t.cancel()
         for g in self.inflight.values():
-            for r in set(g.records):
-                ray.cancel(r)
+            cancel_episodes(g.records)
         return self._status()
 
     async def status(self) -> dict[str, Any]:
@@ -454,8 +454,7 @@ class RolloutController:
             for gid, g in list(self.inflight.items()):
                 if g.batch == oldest and now - g.started > limit:
                     self.inflight.pop(gid)
-                    for r in set(g.records):  # cancels the episodes (all of their returns)
-                        ray.cancel(r)
+                    cancel_episodes(g.records)  # each episode task once, not its clean-up
                     self.requeued.append((g.task, g.batch + 1, g.occ))  # not the batch it stalled
                     self._event("requeue", g, gid)
                     self.counts["tail_cancelled_groups"] += 1

@@ -116,6 +116,14 @@ class EnvActor(GroupRollout):
         self.running = 0
         self.verify_cache = _LRU(50_000)
         self.grading = GradingPool(self.WARM_SANDBOXES, self.WARM_MAX_USES)
+        self._tasks: set[asyncio.Task[Any]] = set()  # clean-ups that outlive their episode
+
+    def _background(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        """`coro` as a named task this actor holds until it ends (its failure logged)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(_held_task_done(self._tasks))
+        return task
 
     def _sandbox_for(self, env: Any, task: Task, limits: SandboxLimits) -> Any:
         """A view on the warm grading sandboxes (each op exclusive on one, swept after it,
@@ -191,8 +199,11 @@ class EnvActor(GroupRollout):
             except asyncio.CancelledError:
                 # tail cancellation (ray.cancel): the chat call in flight was cancelled on the
                 # shard (ShardChatClient), so the engine drops the request; close the session
-                # now instead of leaving it open until its TTL
-                await asyncio.shield(_safe_close(shard, sid, token))
+                # now instead of leaving it open until its TTL. Ray repeats a cancel until the
+                # task ends, so a second one can end this wait: the close goes on as a task
+                # this actor holds (the loop keeps only weak references to tasks)
+                await asyncio.shield(self._background(_safe_close(shard, sid, token),
+                                                      f"rl360-close-{sid}"))
                 raise
             finally:
                 t_clean = time.monotonic()
@@ -258,11 +269,45 @@ async def _quietly(coro: Any) -> None:
         log.warning("cleanup failed: %r", exc)
 
 
-async def _safe_close(shard: Any, sid: str, token: str) -> None:
-    try:
-        await asyncio.wait_for(shard.close.remote(sid, token), SHARD_CALL_TIMEOUT_S)
-    except Exception as exc:
-        log.warning("closing session %s failed: %r", sid, exc)
+def cancel_episodes(refs: Any) -> int:
+    """Cancel the env-actor tasks behind `refs` (an episode's or a group's returns), once per
+    task and not recursively: the episode cancels its own shard call (ShardChatClient) and then
+    closes its session, and a recursive cancel would cancel that close too (Ray repeats a
+    cancel until the task ends, so it reaches calls made after the first one). Returns how
+    many tasks were cancelled."""
+    seen: set[Any] = set()
+    for r in refs:
+        tid = r.task_id()
+        if tid not in seen:
+            seen.add(tid)
+            ray.cancel(r, recursive=False)
+    return len(seen)
+
+
+def _held_task_done(held: set[asyncio.Task[Any]]) -> Any:
+    def done(task: asyncio.Task[Any]) -> None:
+        held.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task %s failed: %r", task.get_name(), task.exception())
+    return done
+
+
+async def _safe_close(shard: Any, sid: str, token: str, tries: int = 3) -> None:
+    """Close a cancelled episode's session. A close cancelled by someone's recursive
+    `ray.cancel` of the episode is sent again (Ray stops repeating that cancel once the
+    episode's task has ended)."""
+    for attempt in range(tries):
+        try:
+            await asyncio.wait_for(shard.close.remote(sid, token), SHARD_CALL_TIMEOUT_S)
+            return
+        except ray.exceptions.TaskCancelledError as exc:
+            if attempt + 1 == tries:
+                log.warning("closing session %s was cancelled %d times: %r", sid, tries, exc)
+            else:
+                await asyncio.sleep(0.5 * (attempt + 1))
+        except Exception as exc:
+            log.warning("closing session %s failed: %r", sid, exc)
+            return
 
 
 def _openai_client(base_url: str, sid: str, token: str) -> Any:

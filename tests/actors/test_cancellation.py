@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import ray
 
+from rl360.actors.env_pool import cancel_episodes
 from rl360.recipe import EnvSection, ModelSection, ServeSection
 from rl360.serve.sessions.service import LocalEngineClient
 from rl360.types import Generation, SamplingParams, Task
@@ -57,13 +58,13 @@ def wait_for(fn, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no
         time.sleep(0.1)
 
 
-def hanging_stack(shard_name: str) -> tuple[Any, Any, Any]:
+def hanging_stack(shard_name: str, shard_cls: Any = None) -> tuple[Any, Any, Any]:
     """A recorder, a session shard over HangingEngine and an env actor using that shard."""
     from rl360.actors.env_pool import EnvActor, with_plain_asyncio
     from rl360.serve.sessions.shard import SessionShard
 
     recorder = ray.remote(Recorder).remote()
-    shard = ray.remote(SessionShard).options(name=shard_name, namespace=NS).remote(
+    shard = ray.remote(shard_cls or SessionShard).options(name=shard_name, namespace=NS).remote(
         ModelSection(), ServeSection(), "rl360", HangingEngine(recorder))
     env = ray.remote(EnvActor).options(
         **with_plain_asyncio({"num_cpus": 0}), max_concurrency=4).remote(
@@ -81,7 +82,7 @@ def test_a_cancelled_episode_closes_its_session_and_drops_its_engine_request(ray
     wait_for(lambda: "generate" in ray.get(recorder.log.remote()), "the episode's first chat",
              timeout_s=240)
     assert ray.get(shard.stats.remote())["open_sessions"] == 1
-    ray.cancel(record)
+    cancel_episodes([record, data])  # as the controller does: once per task
     with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
         ray.get(data, timeout=60)
     wait_for(lambda: ray.get(shard.stats.remote())["open_sessions"] == 0, "the session to close")
@@ -102,7 +103,7 @@ def test_a_cancelled_group_closes_every_session_and_drops_its_batched_request(ra
     wait_for(lambda: ray.get(recorder.log.remote()).count("generate") == 3, "the first turns",
              timeout_s=240)  # includes the env actor's worker start (see above)
     assert ray.get(shard.stats.remote())["open_sessions"] == 3
-    ray.cancel(outs[0])
+    assert cancel_episodes(outs) == 1  # four returns, one task
     with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
         ray.get(outs[1], timeout=60)
     wait_for(lambda: ray.get(shard.stats.remote())["open_sessions"] == 0, "the sessions to close")
@@ -110,5 +111,37 @@ def test_a_cancelled_group_closes_every_session_and_drops_its_batched_request(ra
     assert stats["sessions_closed"] == 3 and stats.get("sessions_reaped", 0) == 0
     wait_for(lambda: ray.get(recorder.log.remote()).count("cancelled") == 3,
              "the engine requests to drop")
+    for a in (env, shard, recorder):
+        ray.kill(a)
+
+
+def slow_close_shard() -> Any:
+    from rl360.serve.sessions.shard import SessionShard
+
+    class SlowCloseShard(SessionShard):
+        async def close(self, sid: str, token: str | None, forest: bool = True) -> Any:
+            await asyncio.sleep(1.0)
+            return await super().close(sid, token, forest)
+
+    return SlowCloseShard
+
+
+def test_a_repeated_recursive_cancel_does_not_leave_the_sessions_open(ray_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Ray repeats a cancel until the task ends, and a recursive one (ray.cancel's default)
+    also cancels the calls the task made, the session closes among them: the flake this test
+    pins down left a cancelled group's sessions open (the closes were cancelled on the
+    shard). The env actor sends a cancelled close again."""
+    recorder, shard, env = hanging_stack("rl360-test-shard-r", slow_close_shard())
+    outs = env.rollout_group.options(num_returns=4).remote(
+        Task(id="t0", prompt="x", data={"tests": ["assert True"]}), "g0", 3, None)
+    wait_for(lambda: ray.get(recorder.log.remote()).count("generate") == 3, "the first turns",
+             timeout_s=240)
+    ray.cancel(outs[0])
+    time.sleep(0.3)  # the closes are on the shard now (each takes 1 s)
+    ray.cancel(outs[0])  # recursive: cancels them
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+        ray.get(outs[1], timeout=60)
+    wait_for(lambda: ray.get(shard.stats.remote())["open_sessions"] == 0, "the sessions to close")
+    assert ray.get(shard.stats.remote())["sessions_closed"] == 3
     for a in (env, shard, recorder):
         ray.kill(a)
