@@ -23,7 +23,7 @@ import asyncio
 import collections
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -67,6 +67,31 @@ class GroupRecord:
     statuses: dict[str, int]
     completed_at: float
     batch: int = -1  # the controller's batch index (train.oversampling = false), else -1
+    records: list[EpisodeRecord] = field(default_factory=list)  # every episode, for the stats
+
+
+@dataclass
+class _StepStats:
+    """The small records a step's metrics are computed from (`take_recent_stats`)."""
+
+    records: list[EpisodeRecord] = field(default_factory=list)
+    outcomes: list[dict[str, bool]] = field(default_factory=list)
+    filtered_groups: int = 0
+    filtered_episodes: int = 0
+
+    def add(self, records: list[EpisodeRecord], filtered: int = 0) -> None:
+        """One finished group: its records, its outcome, and its `filtered` (zero-variance)
+        episodes when the buffer filtered it."""
+        self.records.extend(records)
+        self.outcomes.append(group_outcome(records))
+        self.filtered_groups += bool(filtered)
+        self.filtered_episodes += filtered
+
+    def merge(self, other: _StepStats) -> None:
+        self.records.extend(other.records)
+        self.outcomes.extend(other.outcomes)
+        self.filtered_groups += other.filtered_groups
+        self.filtered_episodes += other.filtered_episodes
 
 
 @dataclass
@@ -140,19 +165,19 @@ class TrajectoryBuffer:
         self.groups: collections.deque[GroupRecord] = collections.deque()
         self.counts: collections.Counter[str] = collections.Counter()
         self._changed = asyncio.Event()
-        # every valid episode since the last batch was cut (the reward curve uses all of them,
-        # also the groups filtered for zero variance)
-        self._recent_rewards: list[float] = []
-        self._recent_pass: list[float] = []
-        self._recent_tokens = 0
+        # a step's metrics describe the batch it trained: the groups of the batches cut since
+        # the previous `take_recent_stats`, plus the groups that finished without being queued
+        # (filtered for zero variance, all infra failures, dropped as stale) before that cut.
+        # Counting every episode finished since the previous step instead made an async run's
+        # first step report its whole head start (512 episodes) and the second none.
+        self._unbatched = _StepStats()  # finished, not queued, since the last cut
+        self._cut_stats = _StepStats()  # cut since the last take_recent_stats
+        self._finished = 0  # episodes finished since the last take (the generation stream)
+        self._recent_tokens = 0  # their loss tokens
         # train.oversampling = false: the next batch index to cut and how many groups of each
         # open batch are settled (queued, filtered or cancelled)
         self._next_b = 0
         self._settled: collections.Counter[int] = collections.Counter()
-        # every finished episode's record and group outcome since the last stats (all small)
-        self._recent_records: list[EpisodeRecord] = []
-        self._recent_outcomes: list[dict[str, bool]] = []
-        self._recent_filtered = [0, 0]  # groups, episodes filtered for zero variance
 
     def _notify(self) -> None:
         self._changed.set()
@@ -201,25 +226,21 @@ class TrajectoryBuffer:
     def _add(self, group_id: str, task_id: str, records: list[EpisodeRecord],
              refs: list[Any], batch: int = -1) -> bool:
         valid = [r.valid for r in records]
-        self._recent_records.extend(records)
-        self._recent_outcomes.append(group_outcome(records))
+        self._finished += len(records)
         for r in records:
             self.counts[f"episodes_{r.status}"] += 1
+            if r.valid and r.reward is not None:
+                self._recent_tokens += r.loss_tokens
         rewards = [r.reward.value if ok and r.reward else 0.0
                    for r, ok in zip(records, valid, strict=True)]
-        for r, ok in zip(records, valid, strict=True):
-            if ok and r.reward is not None:
-                self._recent_rewards.append(r.reward.value)
-                self._recent_pass.append(float(r.reward.components.get("all_pass", r.reward.value >= 1.0)))
-                self._recent_tokens += r.loss_tokens
         good = [r for r, ok in zip(rewards, valid, strict=True) if ok]
         if not good:
             self.counts["groups_all_infra_error"] += 1
+            self._unbatched.add(records)
             return False
         if self.cfg.filter_zero_variance and max(good) - min(good) < 1e-9:
             self.counts["groups_zero_variance"] += 1
-            self._recent_filtered[0] += 1
-            self._recent_filtered[1] += len(good)
+            self._unbatched.add(records, filtered=len(good))
             return False
         adv = self.advantage(rewards, valid)
         members = [Member(ref=ref, advantage=float(a), reward=r.reward.value, tokens=r.tokens,
@@ -233,7 +254,7 @@ class TrajectoryBuffer:
             group_id=group_id, task_id=task_id, members=members, rewards=good,
             min_version=min((r.min_version for r in trained if r.loss_tokens), default=0),
             statuses=dict(collections.Counter(r.status for r in records)),
-            completed_at=time.time(), batch=batch,
+            completed_at=time.time(), batch=batch, records=list(records),
         ))
         self.counts["groups_queued"] += 1
         self._notify()
@@ -264,6 +285,9 @@ class TrajectoryBuffer:
             return
         kept = collections.deque(g for g in self.groups if version - g.min_version <= self.cfg.max_staleness)
         self.counts["groups_dropped_stale"] += len(self.groups) - len(kept)
+        for g in self.groups:
+            if version - g.min_version > self.cfg.max_staleness:
+                self._unbatched.add(g.records)
         self.groups = kept
 
     def _cut(self, version: int, step: int) -> RefBatch:
@@ -293,6 +317,10 @@ class TrajectoryBuffer:
         return None
 
     def _batch(self, groups: list[GroupRecord], version: int, step: int) -> RefBatch:
+        for g in groups:
+            self._unbatched.add(g.records)
+        self._cut_stats.merge(self._unbatched)
+        self._unbatched = _StepStats()
         members = [m for g in groups for m in g.members]
         factor = curriculum_factor(self.cfg, step)
         if factor != 1.0:  # positive-first: non-positive advantages count less early on
@@ -301,24 +329,27 @@ class TrajectoryBuffer:
         return RefBatch(members=members, step=step, policy_version=version)
 
     async def take_recent_stats(self) -> dict[str, Any]:
-        """Reward / pass stats of every valid episode since the previous call, and counters."""
-        r, p = self._recent_rewards, self._recent_pass
+        """The metrics of the batches cut since the previous call (`episode_metrics` over their
+        groups and the groups that finished unqueued before the cut), the generation stream
+        since then (`episodes_finished`, `generated_tokens`), and the counters."""
+        st, self._cut_stats = self._cut_stats, _StepStats()
+        em = episode_metrics(st.records)
+        scored = [r for r in st.records if r.valid and r.reward is not None]
         out = {
-            "episodes": len(r),
-            "reward_mean": sum(r) / len(r) if r else float("nan"),
-            "pass_rate": sum(p) / len(p) if p else float("nan"),
+            "episodes": len(scored),  # scored episodes (infrastructure failures: infra_rate)
+            "reward_mean": em["reward_mean"],
+            "pass_rate": em["pass_rate"],
+            "episodes_finished": self._finished,
             "generated_tokens": self._recent_tokens,
             "queued_groups": len(self.groups),
             **{f"count/{k}": v for k, v in self.counts.items()},
         }
         # per domain / task / component, group outcomes, masked episodes (reward_stats.py)
-        em = episode_metrics(self._recent_records)
         out.update({k: v for k, v in em.items() if "/" in k or k in ("infra_rate", "tokens")})
-        out.update(group_metrics(self._recent_outcomes, self._recent_filtered[0]))
-        out.update(masked_metrics(self._recent_records, self._recent_filtered[1]))
-        out.update(timing_metrics(self._recent_records))
-        self._recent_rewards, self._recent_pass, self._recent_tokens = [], [], 0
-        self._recent_records, self._recent_outcomes, self._recent_filtered = [], [], [0, 0]
+        out.update(group_metrics(st.outcomes, st.filtered_groups))
+        out.update(masked_metrics(st.records, st.filtered_episodes))
+        out.update(timing_metrics(st.records))
+        self._finished, self._recent_tokens = 0, 0
         return out
 
     async def state(self) -> bytes:
@@ -352,7 +383,7 @@ class TrajectoryBuffer:
             self.groups.append(GroupRecord(
                 group_id=g.group_id, task_id=g.task_id, members=members, rewards=g.rewards,
                 min_version=g.min_version, statuses=g.statuses, completed_at=g.completed_at,
-                batch=g.batch))
+                batch=g.batch, records=[t.record() for t in g.trajectories]))
         self.counts = collections.Counter(data["counts"])
         self._next_b = int(data.get("next_batch", 0))
         self._settled = collections.Counter({int(k): v for k, v in data.get("settled", {}).items()})

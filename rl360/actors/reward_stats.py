@@ -1,7 +1,7 @@
 """What a training step logs about its episodes: pure functions over EpisodeRecords.
 
-The buffer collects the records of every finished episode (and one outcome per group) between
-two steps; `episode_metrics` turns them into flat metric keys, `group_metrics` counts the group
+The buffer hands a step the records of the batch it trained (its groups' episodes, plus those of
+the groups that finished unqueued before the cut: filtered, all infra, stale); `episode_metrics` turns them into flat metric keys, `group_metrics` counts the group
 outcomes, `with_deltas` adds each domain's change since the first step that logged it.
 
 Keys (all flat, one level of `/` per name part):

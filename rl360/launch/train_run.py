@@ -267,6 +267,9 @@ class TrainRun:
             self.sink.log(with_deltas({
                 "step": step, "policy_version": self.version, "reward_mean": stats["reward_mean"],
                 "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
+                # the episodes finished since the previous step (the step's own figures are
+                # those of the batch it trained: TrajectoryBuffer.take_recent_stats)
+                "episodes_finished": stats["episodes_finished"],
                 "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "entropy": m.get("entropy"),
                 "trainer_step_s": m.get("step_time_s"),
                 "kl": m.get("kl"), "clip_frac": m.get("clip_frac"),

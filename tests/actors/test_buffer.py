@@ -42,8 +42,36 @@ async def test_zero_variance_groups_are_filtered_but_still_counted_in_the_reward
     buf = make(filter_zero_variance=True)
     buf.add_trajectories("g1", "t", [traj(1.0)] * 4)
     assert await buf.size() == 0
+    buf.add_trajectories("g2", "t", [traj(0.0)] * 2 + [traj(1.0)] * 2)
+    assert await buf.next_batch(0, 1) is not None
     stats = await buf.take_recent_stats()
-    assert stats["reward_mean"] == 1.0 and stats["count/groups_zero_variance"] == 1
+    assert stats["reward_mean"] == 0.75 and stats["count/groups_zero_variance"] == 1
+    assert stats["groups/filtered"] == 1 and stats["masked/filtered"] == 4
+
+
+async def test_a_steps_stats_describe_the_batch_it_trained_not_every_finished_episode() -> None:
+    """An async run's head start: three groups finish before the first batch (of one group)
+    is cut. Each step reports its own batch's group (plus the groups filtered out before that
+    cut), while `episodes_finished` counts the generation stream."""
+    buf = make(filter_zero_variance=True)
+    buf.add_trajectories("a", "t", [traj(1.0), traj(0.0), traj(0.0), traj(0.0)])
+    buf.add_trajectories("flat", "t", [traj(0.0)] * 4)  # filtered before the first cut
+    buf.add_trajectories("b", "t", [traj(1.0), traj(1.0), traj(1.0), traj(0.0)])
+    buf.add_trajectories("c", "t", [traj(1.0), traj(1.0), traj(0.0), traj(0.0)])
+    assert await buf.next_batch(0, 1) is not None
+    first = await buf.take_recent_stats()
+    assert first["episodes"] == 8 and first["reward_mean"] == pytest.approx(1 / 8)
+    assert first["episodes_finished"] == 16 and first["groups/total"] == 2
+    assert first["groups/filtered"] == 1
+    buf.add_trajectories("flat2", "t", [traj(1.0)] * 4)  # filtered after it: the next step's
+    assert await buf.next_batch(0, 2) is not None
+    second = await buf.take_recent_stats()
+    assert second["episodes"] == 8 and second["reward_mean"] == pytest.approx(7 / 8)
+    assert second["episodes_finished"] == 4 and second["groups/filtered"] == 1
+    assert await buf.next_batch(0, 3) is not None
+    third = await buf.take_recent_stats()
+    assert third["episodes"] == 4 and third["reward_mean"] == pytest.approx(0.5)
+    assert third["episodes_finished"] == 0
 
 
 async def test_stale_groups_are_dropped_and_fresh_ones_batched() -> None:

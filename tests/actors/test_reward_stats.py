@@ -111,6 +111,7 @@ async def test_buffer_stats_carry_domains_groups_and_masked() -> None:
     assert buf.add_trajectories("g1", "t", [traj(1.0), traj(0.0)])
     assert not buf.add_trajectories("g2", "t", [traj(0.0), traj(0.0)])  # zero variance
     assert not buf.add_trajectories("g3", "t", [traj(None, "infra_error")])
+    assert await buf.next_batch(0, 1) is not None  # a step's stats are those of its batch
     s = await buf.take_recent_stats()
     assert s["domain/math/reward_mean"] == pytest.approx(0.25)
     assert s["domain/math/infra_rate"] == pytest.approx(0.2)

@@ -110,10 +110,12 @@ def test_train_logs_domains_components_trajectories_and_eval(tmp_path: Path) -> 
     got = rows(tmp_path)
     steps = [r for r in got if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    # a step logs the episodes that finished since the previous one (with max_staleness=1 a
-    # batch can be cut from groups already logged: that row has none)
-    assert sum(r["episodes"] for r in steps) >= 2 * 2 * 3
-    for r in [r for r in steps if r["episodes"]]:
+    # a step logs the episodes of the batch it trained (plus the groups filtered out before
+    # it was cut), so every step has some, even when an async head start finished them all
+    # before step 1; `episodes_finished` is the generation stream
+    assert all(r["episodes"] for r in steps) and sum(r["episodes"] for r in steps) >= 2 * 2 * 3
+    assert sum(r["episodes_finished"] for r in steps) >= 2 * 2 * 3
+    for r in steps:
         domains = {k.split("/")[1] for k in r if k.startswith("domain/")}
         assert domains and domains <= {"add_k", "sub_k"}, r  # task_limit=4: the tasks' families
         d = sorted(domains)[0]
