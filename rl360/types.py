@@ -169,7 +169,32 @@ class Trajectory(msgspec.Struct, omit_defaults=True):
             reward=self.reward, error=self.error, tokens=sum(len(s.tokens) for s in picked),
             loss_tokens=int(sum(sum(s.mask) for s in picked)), min_version=min(gen) if gen else 0,
             max_version=max(gen) if gen else 0, timings=dict(self.timings),
-            samples=len(picked), domain=self.domain)
+            samples=len(picked), domain=self.domain,
+            rerender=rerender_counts(s.rerender for s in picked))
+
+
+RERENDER_KINDS = ("special_token_count", "special_token_type", "non_assistant_text",
+                  "assistant_text", "eos_alias")  # the first three must stay 0 (TITO inv. 7)
+
+
+def rerender_counts(checks: Any) -> dict[str, int]:
+    """The ledger's re-render checks of an episode's samples (each {"match": bool, kind: n,
+    "error": str}), counted: samples `checked`, `mismatch`ed, `error`s (the template could not
+    re-render) and each kind's differences summed."""
+    out: dict[str, int] = {}
+    for c in checks:
+        if not c:
+            continue
+        out["checked"] = out.get("checked", 0) + 1
+        if c.get("match", True):
+            continue
+        out["mismatch"] = out.get("mismatch", 0) + 1
+        if c.get("error"):
+            out["error"] = out.get("error", 0) + 1
+        for k in RERENDER_KINDS:
+            if c.get(k):
+                out[k] = out.get(k, 0) + int(c[k])
+    return out
 
 
 class EpisodeRecord(msgspec.Struct, omit_defaults=True):
@@ -189,6 +214,8 @@ class EpisodeRecord(msgspec.Struct, omit_defaults=True):
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     samples: int = 1  # trained sequences: the primary sample plus the picked branches
     domain: str = ""  # the task's domain / family, for per-domain metrics
+    # the re-render check of its samples (TITO invariant 7), counted: `rerender_counts`
+    rerender: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def valid(self) -> bool:

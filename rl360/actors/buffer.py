@@ -34,6 +34,7 @@ from rl360.actors.reward_stats import (
     group_outcome,
     masked_metrics,
     timing_metrics,
+    tito_metrics,
 )
 from rl360.policies.advantages import build_advantage
 from rl360.recipe import TrainSection
@@ -349,6 +350,7 @@ class TrajectoryBuffer:
         out.update(group_metrics(st.outcomes, st.filtered_groups))
         out.update(masked_metrics(st.records, st.filtered_episodes))
         out.update(timing_metrics(st.records))
+        out.update(tito_metrics(st.records))
         self._finished, self._recent_tokens = 0, 0
         return out
 

@@ -11,6 +11,7 @@ Keys (all flat, one level of `/` per name part):
   component/<c>/mean (over the scored episodes that report component c)
   groups/{total,positive,negative,zero_variance,all_infra,filtered}
   masked/{infra,filtered,empty}  episodes that get no gradient, by why
+  tito/{rerender_checked,rerender_mismatch_rate,<kind>,error}  the ledger's re-render check
 Reward and pass figures are over scored episodes (infrastructure failures excluded); the infra
 rate is over all of them.
 """
@@ -22,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rl360.types import EpisodeRecord, Task
+from rl360.types import RERENDER_KINDS, EpisodeRecord, Task
 
 UNKNOWN_DOMAIN = "unknown"
 
@@ -145,6 +146,25 @@ def first_values(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
                     and isinstance(v, int | float) and not math.isnan(v)):
                 first.setdefault(k, float(v))
     return first
+
+
+def tito_metrics(records: Iterable[EpisodeRecord]) -> dict[str, float]:
+    """`tito/*`: the session ledger's re-render check (TITO invariant 7) over the samples of
+    `records`: how many were checked, the share that did not match, and each kind of
+    difference summed (special_token_count, special_token_type and non_assistant_text mean
+    the ledger and the chat template disagree; assistant_text and eos_alias are expected
+    with some templates). Nothing when no sample was checked."""
+    sums: dict[str, int] = defaultdict(int)
+    for r in records:
+        for k, v in r.rerender.items():
+            sums[k] += v
+    if not sums.get("checked"):
+        return {}
+    out: dict[str, float] = {"tito/rerender_checked": sums["checked"],
+                             "tito/rerender_mismatch_rate": sums["mismatch"] / sums["checked"]}
+    for k in (*RERENDER_KINDS, "error"):
+        out[f"tito/{k}"] = sums[k]
+    return out
 
 
 def timing_metrics(records: Iterable[EpisodeRecord]) -> dict[str, float]:

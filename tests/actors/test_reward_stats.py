@@ -128,3 +128,34 @@ def test_timing_metrics_average_each_phase_over_the_episodes_that_timed_it():
     b.timings = {"verify_s": 3.0, "open_s": float("nan")}
     out = timing_metrics([a, b, rec(0.5)])
     assert out == {"time/episode/verify_s": 2.0, "time/episode/chat_s": 2.0}
+
+
+def test_the_ledgers_rerender_checks_become_step_metrics() -> None:
+    """TITO invariant 7 at run time: each sample's re-render check travels in the episode's
+    record as counts, and a step logs the share that mismatched and each kind summed."""
+    from rl360.actors.reward_stats import tito_metrics
+    from rl360.types import Sample
+
+    matched = Trajectory(session_id="s", tokens=[1], mask=[1], logprobs=[-1.0], versions=[0],
+                         provenance=["generated"], reward=Reward(1.0), rerender={"match": True})
+    drifted = Trajectory(session_id="s", tokens=[1], mask=[1], logprobs=[-1.0], versions=[0],
+                         provenance=["generated"], reward=Reward(0.0),
+                         rerender={"match": False, "special_token_count": 0,
+                                   "special_token_type": 1, "eos_alias": 0,
+                                   "assistant_text": 2, "non_assistant_text": 0})
+    drifted.branches = [Sample(node=1, tokens=[1], mask=[1], logprobs=[-1.0], versions=[0],
+                               provenance=["generated"],
+                               rerender={"match": False, "error": "template cannot re-render"})]
+    unchecked = Trajectory(session_id="s", tokens=[1], mask=[1], logprobs=[-1.0], versions=[0],
+                           provenance=["generated"], reward=Reward(0.0))
+    recs = [t.record() for t in (matched, drifted, unchecked)]
+    assert recs[0].rerender == {"checked": 1}
+    assert recs[1].rerender == {"checked": 2, "mismatch": 2, "special_token_type": 1,
+                                "assistant_text": 2, "error": 1}
+    assert recs[2].rerender == {}
+    m = tito_metrics(recs)
+    assert m["tito/rerender_checked"] == 3
+    assert m["tito/rerender_mismatch_rate"] == pytest.approx(2 / 3)
+    assert m["tito/special_token_type"] == 1 and m["tito/assistant_text"] == 2
+    assert m["tito/non_assistant_text"] == 0 and m["tito/error"] == 1
+    assert tito_metrics([recs[2]]) == {}  # nothing checked: nothing logged

@@ -124,6 +124,11 @@ def test_train_logs_domains_components_trajectories_and_eval(tmp_path: Path) -> 
         assert any(k.startswith("task/") for k in r)
         assert any(k.startswith("component/") and k.endswith("/mean") for k in r), sorted(r)
         assert r["groups/total"] >= 1 and "groups/zero_variance" in r and "masked/infra" in r
+        # the ledger's re-render check of every trained sample (TITO invariant 7): the
+        # severe kinds stay 0
+        assert r["tito/rerender_checked"] >= 1, sorted(r)
+        assert r["tito/special_token_count"] == r["tito/special_token_type"] == 0, r
+        assert r["tito/non_assistant_text"] == 0 and r["tito/error"] == 0, r
     deltas = [v for k, v in steps[0].items() if k.endswith("/reward_delta")]
     assert deltas and all(v == 0.0 for v in deltas)  # step 1 is every domain's baseline
     evals = [r for r in got if "eval/reward_mean" in r]
