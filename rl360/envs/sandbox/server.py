@@ -140,6 +140,14 @@ def remove_in(dirfd):
     return removed
 
 
+def take_stdio(fin, fout, ferr):
+    """A job's first steps: a session of its own, then its three standard fds."""
+    os.setsid()
+    os.dup2(fin, 0)
+    os.dup2(fout, 1)
+    os.dup2(ferr, 2)
+
+
 def spawn(argv, env, cwd, in_fd, setup):
     """fork + exec `argv` in its own session with stdin `in_fd` and two new pipes; (pid,
     stdout read end, stderr read end). An exec that fails raises OSError here, as Popen does."""
@@ -155,10 +163,7 @@ def spawn(argv, env, cwd, in_fd, setup):
     if pid == 0:
         code = 0
         try:
-            os.setsid()
-            os.dup2(in_fd, 0)
-            os.dup2(out_w, 1)
-            os.dup2(err_w, 2)
+            take_stdio(in_fd, out_w, err_w)
             os.closerange(3, x_w)
             os.closerange(x_w + 1, MAX_FD)
             os.chdir(cwd)
@@ -324,10 +329,7 @@ def warm_job(ctl, fin, fout, ferr, rlimits, oom_adj):
     """Run one job as `python -I -S -c code args` would; never returns."""
     rc = 1
     try:
-        os.setsid()
-        os.dup2(fin, 0)
-        os.dup2(fout, 1)
-        os.dup2(ferr, 2)
+        take_stdio(fin, fout, ferr)
         chunks = []
         while True:
             chunk = os.read(ctl, CHUNK)
