@@ -319,8 +319,8 @@ class TrajectoryBuffer:
 
     def _batch(self, groups: list[GroupRecord], version: int, step: int) -> RefBatch:
         for g in groups:
-            self._unbatched.add(g.records)
-        self._cut_stats.merge(self._unbatched)
+            self._cut_stats.add(g.records)
+        self._cut_stats.merge(self._unbatched)  # the groups that finished unqueued before it
         self._unbatched = _StepStats()
         members = [m for g in groups for m in g.members]
         factor = curriculum_factor(self.cfg, step)
