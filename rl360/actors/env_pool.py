@@ -119,10 +119,11 @@ class EnvActor(GroupRollout):
         self._tasks: set[asyncio.Task[Any]] = set()  # clean-ups that outlive their episode
 
     def _background(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        """`coro` as a named task this actor holds until it ends (its failure logged)."""
+        """`coro` (one that logs its own failures) as a named task this actor holds until it
+        ends."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(_held_task_done(self._tasks))
+        task.add_done_callback(self._tasks.discard)
         return task
 
     def _sandbox_for(self, env: Any, task: Task, limits: SandboxLimits) -> Any:
@@ -282,14 +283,6 @@ def cancel_episodes(refs: Any) -> int:
             seen.add(tid)
             ray.cancel(r, recursive=False)
     return len(seen)
-
-
-def _held_task_done(held: set[asyncio.Task[Any]]) -> Any:
-    def done(task: asyncio.Task[Any]) -> None:
-        held.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("background task %s failed: %r", task.get_name(), task.exception())
-    return done
 
 
 async def _safe_close(shard: Any, sid: str, token: str, tries: int = 3) -> None:
