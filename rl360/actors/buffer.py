@@ -284,11 +284,13 @@ class TrajectoryBuffer:
     def _drop_stale(self, version: int) -> None:
         if self.cfg.stale_policy == "keep":
             return
-        kept = collections.deque(g for g in self.groups if version - g.min_version <= self.cfg.max_staleness)
-        self.counts["groups_dropped_stale"] += len(self.groups) - len(kept)
+        kept: collections.deque[GroupRecord] = collections.deque()
         for g in self.groups:
-            if version - g.min_version > self.cfg.max_staleness:
+            if version - g.min_version <= self.cfg.max_staleness:
+                kept.append(g)
+            else:  # not trained: its episodes count in the next cut's stats
                 self._unbatched.add(g.records)
+        self.counts["groups_dropped_stale"] += len(self.groups) - len(kept)
         self.groups = kept
 
     def _cut(self, version: int, step: int) -> RefBatch:

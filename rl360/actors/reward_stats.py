@@ -1,8 +1,9 @@
 """What a training step logs about its episodes: pure functions over EpisodeRecords.
 
 The buffer hands a step the records of the batch it trained (its groups' episodes, plus those of
-the groups that finished unqueued before the cut: filtered, all infra, stale); `episode_metrics` turns them into flat metric keys, `group_metrics` counts the group
-outcomes, `with_deltas` adds each domain's change since the first step that logged it.
+the groups that finished unqueued before the cut: filtered, all infra, stale); `episode_metrics`
+turns them into flat metric keys, `group_metrics` counts the group outcomes, `with_deltas` adds
+each domain's change since the first step that logged it.
 
 Keys (all flat, one level of `/` per name part):
   reward_mean, pass_rate, infra_rate, episodes, tokens, loss_tokens     over every episode
