@@ -25,6 +25,7 @@ from rl360.recipe import EnvSection
 from rl360.types import Task
 
 pytestmark = pytest.mark.timeout(60)
+HAS_AUTOGROUPS = os.path.exists("/proc/self/autogroup")
 
 
 async def test_exec_shell_and_argv(backend, make_sandbox):
@@ -200,3 +201,17 @@ async def test_sandboxed_code_runs_niced(bwrap_backend, make_sandbox):
     res = await sb.exec(["python3", "-c", "import os; print(os.nice(0))"])
     assert res.exit_code == 0, res.stderr
     assert int(res.stdout.strip()) >= min(19, os.nice(0) + 10)
+
+
+async def test_sandboxed_code_yields_across_sessions(backend, make_sandbox):
+    """Where the kernel shares the CPU between sessions first (autogroups), a sandbox's
+    niceness only counts inside its own session's group: the group itself is niced, and an
+    exec (a warm one too) stays in it instead of opening a session at full weight."""
+    if not HAS_AUTOGROUPS:
+        pytest.skip("this kernel has no scheduler autogroups")
+    sb = make_sandbox(backend)
+    show = "print(open('/proc/self/autogroup').read().split()[-1])"
+    for argv in (["python3", "-c", show], ["python3", "-I", "-S", "-c", show]):  # cold, warm
+        res = await sb.exec(argv)
+        assert res.exit_code == 0, res.stderr
+        assert int(res.stdout.strip()) == 10, (argv, res.stdout)

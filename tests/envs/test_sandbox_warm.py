@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 SHOW = (
     "import sys, os\n"
     "print(sys.argv, os.getcwd(), os.environ.get('XX'), repr(sys.stdin.read()),"
-    " sys.flags.isolated, sys.flags.no_site, __name__, os.getsid(0) == os.getpid())\n"
+    " sys.flags.isolated, sys.flags.no_site, __name__, os.getpgid(0) == os.getpid())\n"
     "sys.stdout.write('no newline')\n"
     "raise SystemExit(3)"
 )

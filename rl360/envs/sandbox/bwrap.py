@@ -174,7 +174,9 @@ class BwrapSandbox(ServedSandbox):
             "--hostname",
             "sandbox",
             "--die-with-parent",
-            "--new-session",
+            # no --new-session: ServedSandbox.start runs bwrap in a session of its own already
+            # (no controlling terminal inside to push keystrokes into), and a second session
+            # would be a scheduler autogroup of its own at full weight (served.nice_autogroup)
             "--cap-drop",
             "ALL",
             "--disable-userns",  # no nested user namespaces (a way to regain capabilities)

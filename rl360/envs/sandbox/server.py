@@ -141,8 +141,10 @@ def remove_in(dirfd):
 
 
 def take_stdio(fin, fout, ferr):
-    """A job's first steps: a session of its own, then its three standard fds."""
-    os.setsid()
+    """A job's first steps: a process group of its own (killed as one), then its three
+    standard fds. Not a session: that would put it in a scheduler autogroup of its own, at
+    full weight whatever its niceness; it stays in the sandbox's, which the host niced."""
+    os.setpgid(0, 0)
     os.dup2(fin, 0)
     os.dup2(fout, 1)
     os.dup2(ferr, 2)
@@ -735,7 +737,7 @@ class Server:
         del job.fds[fd]
 
     def kill_group(self, job):
-        try:  # a warm job may not have called setsid yet
+        try:  # a warm job may not have called setpgid yet
             os.kill(job.proc.pid, _signal.SIGKILL)
         except OSError:
             pass
