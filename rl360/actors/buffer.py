@@ -165,6 +165,7 @@ class TrajectoryBuffer:
         self.advantage = build_advantage(advantage)
         self.groups: collections.deque[GroupRecord] = collections.deque()
         self.counts: collections.Counter[str] = collections.Counter()
+        self._stale_unclaimed = 0  # dropped as stale, not yet reported to the controller
         self._changed = asyncio.Event()
         # a step's metrics describe the batch it trained: the groups of the batches cut since
         # the previous `take_recent_stats`, plus the groups that finished without being queued
@@ -186,6 +187,13 @@ class TrajectoryBuffer:
 
     async def size(self) -> int:
         return len(self.groups)
+
+    async def take_dropped_stale(self) -> int:
+        """The groups dropped as stale since the last call. The controller gives their batch
+        slots to new groups (as it does for filtered ones); else its staleness gate would count
+        them as trained and hold every later group back by their number."""
+        n, self._stale_unclaimed = self._stale_unclaimed, 0
+        return n
 
     async def add_group(self, group_id: str, task_id: str, records: list[EpisodeRecord],
                         wrapped: list[list[Any]], batch: int = -1) -> bool:
@@ -291,6 +299,7 @@ class TrajectoryBuffer:
             else:  # not trained: its episodes count in the next cut's stats
                 self._unbatched.add(g.records)
         self.counts["groups_dropped_stale"] += len(self.groups) - len(kept)
+        self._stale_unclaimed += len(self.groups) - len(kept)
         self.groups = kept
 
     def _cut(self, version: int, step: int) -> RefBatch:

@@ -282,6 +282,13 @@ class RolloutController:
             batch = self.started // gpb
             need = batch - self.cfg.max_staleness
             if need > self.served_version:
+                if self.cfg.oversampling and (dropped := await self.buffer.take_dropped_stale.remote()):
+                    # groups the buffer dropped as stale filled no batch: their slots go to
+                    # new groups (as filtered groups' do), else the gate would hold every later
+                    # group back by their number and async generation would stop overlapping
+                    self.started -= dropped
+                    self.counts["stale_slots_reopened"] += dropped
+                    continue
                 # short waits: a tail cancellation may move `started` back meanwhile
                 self.served_version = await self.publisher.wait_applied.remote(
                     need, self.engine_replicas, 1.0)

@@ -106,6 +106,33 @@ def test_async_mode_keeps_generating_within_the_bound(ray_cluster, tasks_file) -
     ray.get(ctl.stop.remote())
 
 
+def test_groups_dropped_as_stale_give_their_batch_slots_back(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """A group the buffer drops as stale filled no batch: its slot goes to a new group. Else the
+    gate counts it as trained and holds every later group back (async turns into sync)."""
+    import ray
+
+    env, buf, pub, ctl = start(ray, tasks_file, staleness=1)
+    deadline = time.time() + 20
+    while ray.get(buf.size.remote()) < 4 and time.time() < deadline:  # batches 0 and 1
+        time.sleep(0.05)
+    assert ray.get(ctl.status.remote())["groups_started"] == 4
+    # the trainer is two versions on: the four queued groups (version 0) are too stale
+    ray.get(env.set_version.remote(2))
+    ray.get(pub.publish.remote(2, []))
+    ray.get(pub.report_applied.remote("r0", 2))
+    batch = ray.get(buf.next_batch.remote(2, 3, 20.0))
+    assert batch is not None and {m.min_version for m in batch.members} == {2}
+    # at version 2 batches 2 and 3 may run: the 4 groups started for them first, and the 4
+    # dropped groups' slots again, so 12 groups (24 episodes) in all
+    deadline = time.time() + 20
+    while len(ray.get(env.log.remote())) < 24 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    st = ray.get(ctl.status.remote())
+    assert len(ray.get(env.log.remote())) == 24 and st["count/stale_slots_reopened"] == 4
+    ray.get(ctl.stop.remote())
+
+
 def test_tail_cancellation_requeues_the_slow_task(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
     import ray
 
