@@ -8,11 +8,16 @@ answer is graded in the sandbox by the isolated test runner (bench/async_env.py)
 trainer takes a PPO step on every batch and publishes its weights to the engine. Disaggregated
 hardware is emulated on one host: core 0 is the rollout machine, core 1 the trainer's. Ray's
 head is started on core 0, so every process it starts (engine replica, session shard, env
-actors and their sandboxes, controller, buffer, Serve) runs there, the driver pins itself
-there too, and the trainer rank moves itself to core 1 (trainer.cpu_affinity; engine and env
-actors are also pinned by their own keys; one torch thread each). The model, batch and the
-trainer's passes over a batch (`--epochs`, trainer.epochs) are sized so that a generation
-batch alone and a training step alone take similar time.
+actors and their sandboxes, controller, buffer, Serve) runs there; the trainer rank moves
+itself to core 1 (trainer.cpu_affinity; engine and env actors are also pinned by their own
+keys; one torch thread each), and so does the driver: its loop (wait for a batch, train,
+publish, log) is the trainer's critical path, and on the saturated rollout core its plain
+actor calls stalled for 10-16 s (measured: a `.remote()` submit or a status `ray.get` taking
+as long as the generation batch running beside it; none with the driver on core 1). The
+trainer micro-batches by length under a token budget (`--micro-batch-tokens`), so its step
+costs what its real tokens cost, not the whole batch padded to the one longest answer. The
+model, batch and the trainer's passes over a batch (`--epochs`, trainer.epochs) are sized so
+that a generation batch alone and a training step alone take similar time.
 
 From each run's steps (the first `--skip` left out: start-up and pipeline fill):
   - sync runs: generation alone = the time the trainer waits for a batch (nothing else runs),
@@ -22,7 +27,8 @@ From each run's steps (the first `--skip` left out: start-up and pipeline fill):
   - the longest pause of a running sequence across an in-flight weight swap (measured on the
     engine thread), against one decode step + the swap
 
-    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 14] [--skip 5] [--epochs 1]
+    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 14] [--skip 5] [--epochs 2]
+        [--micro-batch-tokens 1024] [--set KEY=VALUE ...] [--out DIR] [--record FILE]
 
 Last line: {"bench": "async_speedup", "ours": <async step s>, "baseline": <sync step s>,
 "ratio": <sync/async>, "efficiency": ...}
@@ -41,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -104,6 +111,50 @@ def ray_head(num_cpus: int = 2):  # type: ignore[no-untyped-def]
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+class CoreSampler:
+    """Each core's busy share over time (/proc/stat, every 0.5 s, on a daemon thread): shows
+    whether a mode leaves a core idle (a pipeline bubble) or saturates it (contention)."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.samples: list[tuple[float, list[tuple[int, int]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(period_s,), daemon=True,
+                                        name="core-sampler")
+
+    @staticmethod
+    def read() -> list[tuple[int, int]]:
+        """(busy, total) jiffies of every core."""
+        out = []
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3].isdigit():
+                    v = [int(x) for x in line.split()[1:]]
+                    idle = v[3] + v[4]  # idle + iowait
+                    out.append((sum(v) - idle, sum(v)))
+        return out
+
+    def _loop(self, period_s: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), self.read()))
+            self._stop.wait(period_s)
+
+    def __enter__(self) -> CoreSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, t0: float, t1: float) -> list[float]:
+        """Each core's busy share between the samples nearest t0 and t1."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return []
+        (_, a), (_, b) = inside[0], inside[-1]
+        return [(bb - ab) / max(1, bt - at) for (ab, at), (bb, bt) in zip(a, b, strict=True)]
+
+
 def make_workload(d: Path, args: argparse.Namespace) -> tuple[Path, Path, list[int]]:
     from rl360.policies.tiny import TinyModelSpec, build_tiny_tokenizer, save_tiny_policy
 
@@ -139,6 +190,7 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
         "trainer.num_cpus=0.5", "trainer.threads=1", f"trainer.cpu_affinity=[{TRAINER_CORE}]",
         f"trainer.epochs={args.epochs}",
         "trainer.lr=1e-5", f"trainer.micro_batch_size={args.group_size * args.groups}",
+        f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
         "env.env='bench.async_env:AnswerTextEnv'", "env.actors=2", "env.episodes_per_actor=64",
         f"env.cpu_affinity=[{ROLLOUT_CORE}]",
         "env.max_turns=1", "serve.session_shards=1",
@@ -148,12 +200,16 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
         f"train.tasks=[{json.dumps(str(tasks))}]", "train.checkpoint_every=0",
         "train.wandb='disabled'", "train.sampling.temperature=1.0",
         f"train.sampling.max_tokens={args.max_tokens}", f"train.sampling.stop_token_ids={stops}",
+        *args.set,
     ]))
     t0 = time.monotonic()
-    with contextlib.redirect_stdout(io.StringIO()):
+    with CoreSampler() as cores, contextlib.redirect_stdout(io.StringIO()):
         run_train(recipe)
     rows = [json.loads(x) for x in (out / name / "metrics.jsonl").open()]
     kept = rows[args.skip:]
+    # the kept steps' window (elapsed_s counts from run_train's start, ~t0)
+    busy = cores.busy(t0 + rows[args.skip - 1]["elapsed_s"] if args.skip else t0,
+                      t0 + rows[-1]["elapsed_s"])
     med = lambda k: statistics.median(r[k] for r in kept)  # noqa: E731
     res = {"step": med("step_s"), "wait": med("wait_s"), "train": med("train_s"),
            "sync": med("sync_s"),
@@ -165,11 +221,15 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
            "swap": max((r.get("engine_last_swap_s", 0.0) for r in rows), default=0.0),
            "decode": statistics.median(r.get("engine_step_median_s", 0.0) for r in rows),
            "staleness": max(r["staleness_max"] for r in rows), "reward": kept[-1]["reward_mean"],
-           "wall": time.monotonic() - t0}
+           "engine_idle": statistics.median(r.get("engine_idle_frac", 0.0) for r in kept),
+           "trainer_step": statistics.median(r.get("trainer_step_s") or 0.0 for r in kept),
+           "cores": busy, "wall": time.monotonic() - t0}
     print(f"  {mode:5s} run {idx}: step {res['step']:.2f}s (trainer waits {res['wait']:.2f}s, "
           f"trains {res['train']:.2f}s, publishes {res['sync']:.2f}s), {res['tokens']:.0f} "
           f"generated tokens/batch, staleness max {res['staleness']:.0f}, "
-          f"{len(rows)} steps in {res['wall']:.0f}s with start-up; load {loadavg()}", flush=True)
+          f"{len(rows)} steps in {res['wall']:.0f}s with start-up; engine idle "
+          f"{res['engine_idle']:.0%}, trainer step {res['trainer_step']:.2f}s, cores busy "
+          f"{' / '.join(f'{b:.0%}' for b in busy)} (kept steps); load {loadavg()}", flush=True)
     res["mode"] = mode
     return [res]
 
@@ -188,12 +248,19 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups", type=int, default=2, help="groups per batch")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--epochs", type=int, default=1, help="trainer passes (optimizer steps) "
+    ap.add_argument("--epochs", type=int, default=2, help="trainer passes (optimizer steps) "
                     "per batch: sizes a training step against a generation batch")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for both modes (repeatable), e.g. "
+                    "engine.max_batch_size=32")
+    ap.add_argument("--out", default="", help="keep the runs' directories (metrics.jsonl, "
+                    "logs) under this directory (default: a temporary one)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024,
+                    help="the trainer's padded tokens per micro-batch (0: the whole batch in one)")
     ap.add_argument("--record", default="", help="JSONL file: add this invocation's runs to it "
                     "and report over every run it holds (e.g. 3 x --runs 1, each under the lock)")
     args = ap.parse_args()
-    os.sched_setaffinity(0, {ROLLOUT_CORE})  # the driver is part of the rollout machine
+    os.sched_setaffinity(0, {TRAINER_CORE})  # the driver drives the trainer: its machine
     load0 = loadavg()
     res: dict[str, list[dict]] = {"sync": [], "async": []}
     if args.record and Path(args.record).exists():
@@ -206,14 +273,16 @@ def main() -> None:
         print(f"workload: {args.groups} groups x {args.group_size} episodes a batch, policy "
               f"hidden {args.hidden} x {args.layers} layers (fresh init, byte vocabulary), "
               f"max_tokens {args.max_tokens}, stop ids {stops} + end of turn, {args.epochs} "
-              f"trainer epoch(s) a batch; Ray, the driver, engine and env actors on core "
-              f"{ROLLOUT_CORE}, the trainer on core {TRAINER_CORE}, one torch thread each; {args.runs} runs each, alternating, "
+              f"trainer epoch(s) a batch, micro-batches of <= {args.micro_batch_tokens} padded "
+              f"tokens; Ray, the engine and env actors on core {ROLLOUT_CORE}, the trainer "
+              f"and the driver on core {TRAINER_CORE}, one torch thread each; {args.runs} runs each, alternating, "
               f"{args.steps} steps a run, first {args.skip} left out; load before {load0}",
               flush=True)
         first = len(res["sync"])  # runs already recorded: new seeds for these
         for i in range(first, first + args.runs):
             for mode in ("sync", "async"):
-                got = run(mode, args, model, tasks, stops, Path(d) / "runs", i, address)
+                got = run(mode, args, model, tasks, stops, Path(args.out or Path(d) / "runs"),
+                          i, address)
                 res[mode] += got
                 if args.record:
                     with open(args.record, "a") as f:
