@@ -237,6 +237,11 @@ class LossSection(_S):
     eps_low: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.2
     eps_high: NonNegFloat = 0.28
     tis_cap: NonNegFloat = 2.0  # 0 turns the TIS weight off (the mismatch is still reported)
+    # sequence mask: a sequence whose mean per-token log-ratio proximal/behaviour lies outside
+    # [-seq_mask, seq_mask] (its geometric-mean importance weight outside [e^-x, e^x]) gets no
+    # gradient: sampled too far from the policy being trained for per-token truncation to
+    # correct; 0 = off
+    seq_mask: NonNegFloat = 0.0
     kl_coef: NonNegFloat = 0.0  # > 0 needs a frozen reference policy (loaded by the trainer)
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: NonNegFloat = 0.0  # entropy bonus: loss -= coef x per-token entropy

@@ -11,7 +11,8 @@ ranks: a key ending in "_max" is a maximum; every other key is a mean over loss 
 
 Truncated importance sampling (TIS): the engines sample with their own numerics, so their
 logprobs differ from the trainer's. The policy-gradient term of each token is weighted by
-min(exp(old - sampling), tis_cap), detached; the mismatch itself is always reported.
+min(exp(old - sampling), tis_cap), detached; the mismatch itself is always reported. With
+`seq_mask` > 0 a sequence whose mean log-ratio old - sampling is out of bounds is masked whole.
 """
 
 from __future__ import annotations
@@ -112,6 +113,27 @@ def tis_weights(
         "sampler_kl": masked_mean(torch.exp(diff.clamp(max=_MAX_LOG_RATIO)) - diff - 1.0, mask),
     }
     return w, metrics
+
+
+def sequence_mask(
+    old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, bound: float
+) -> tuple[Tensor, Metrics]:
+    """[B, 1], detached: 1 for a sequence whose mean log-ratio old - sampling over its loss
+    tokens lies within [-bound, bound], else 0. A token's TIS weight is truncated, which caps
+    how far one token can push; a sequence whose tokens are off the proximal policy as a whole
+    (one sampled by weights the trainer has moved far from) is left out instead of reweighted.
+    Metrics: the share of loss tokens in masked sequences, the largest |mean log-ratio|."""
+    m = mask.to(old_logprobs.dtype)
+    diff = _masked((old_logprobs - sampling_logprobs).detach(), mask)
+    n = m.sum(dim=1, keepdim=True)
+    seq = diff.sum(dim=1, keepdim=True) / n.clamp(min=1.0)
+    keep = (seq.abs() <= bound).to(diff.dtype)
+    has = n > 0
+    metrics = {
+        "seq_masked_frac": ((1.0 - keep) * n).sum() / m.sum().clamp(min=1.0),
+        "seq_log_ratio_abs_max": seq.abs()[has].max() if bool(has.any()) else seq.new_zeros(()),
+    }
+    return keep, metrics
 
 
 # ----------------------------------------------------------------------------- base losses
@@ -232,6 +254,11 @@ class PolicyLoss:
                                          self.tis_level)
             loss = loss * w
             metrics.update(tis_metrics)
+            if c.seq_mask > 0:
+                keep, seq_metrics = sequence_mask(old_logprobs, sampling_logprobs, mask,
+                                                  c.seq_mask)
+                loss = loss * keep
+                metrics.update(seq_metrics)
         if ref_logprobs is not None:
             kl = _masked(self.kl(logprobs, ref_logprobs.detach()), mask)
             metrics["kl"] = masked_mean(kl.detach(), mask)

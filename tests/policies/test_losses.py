@@ -16,6 +16,7 @@ from rl360.policies.losses import (
     kl_k3,
     ppo_clip_loss,
     reinforce_loss,
+    sequence_mask,
     tis_weights,
 )
 from rl360.recipe import LossSection, checked
@@ -118,6 +119,37 @@ def test_composed_loss_weights_the_gradient_by_tis() -> None:
     assert logp.grad[0].tolist() == pytest.approx([-1.0, -math.exp(0.2), -2.0])
     assert {"pg_loss", "clip_frac", "tis_capped_frac", "mismatch_abs_mean"} <= set(m)
     assert "kl" not in m
+
+
+def test_sequence_mask_drops_whole_sequences_sampled_far_from_the_proximal_policy() -> None:
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0],
+                        [-1.0, -1.0, -1.0, -1.0]])
+    # mean log-ratio old - sampling over the loss tokens: 0.5 (masked at 0.3), -0.1 (kept;
+    # its last token is off the mask and would read -2.9), -0.4 (masked)
+    samp = torch.tensor([[-1.5, -1.5, -1.5, -1.5], [-0.9, -0.9, -0.9, 2.0],
+                         [-0.6, -0.6, -0.6, -0.6]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
+    keep, m = sequence_mask(old, samp, mask, 0.3)
+    assert keep.tolist() == [[0.0], [1.0], [0.0]]
+    assert float(m["seq_masked_frac"]) == pytest.approx(6 / 9)
+    assert float(m["seq_log_ratio_abs_max"]) == pytest.approx(0.5)
+    # in the composed loss: the masked sequences get no gradient, the kept one its TIS weight
+    logp = _leaf(old.tolist())
+    loss_fn = build_policy_loss(LossSection(name="ppo", tis_cap=2.0, seq_mask=0.3))
+    loss, lm = loss_fn(logp, None, samp, torch.tensor([1.0, 1.0, 1.0]), mask)
+    loss.sum().backward()
+    assert logp.grad[0].tolist() == [0.0] * 4 and logp.grad[2].tolist() == [0.0] * 4
+    assert logp.grad[1].tolist() == pytest.approx([-math.exp(-0.1)] * 3 + [0.0])
+    assert float(lm["seq_masked_frac"]) == pytest.approx(6 / 9)
+    # off by default: every sequence keeps its (truncated) per-token weight
+    logp.grad = None
+    loss, lm = build_policy_loss(LossSection(name="ppo", tis_cap=2.0))(
+        logp, None, samp, torch.tensor([1.0, 1.0, 1.0]), mask)
+    loss.sum().backward()
+    assert "seq_masked_frac" not in lm
+    assert logp.grad[0].tolist() == pytest.approx([-math.exp(0.5)] * 4)
+    with pytest.raises(ValueError, match="seq_mask"):
+        checked(LossSection, seq_mask=-0.1)
 
 
 def test_masked_tokens_carry_no_loss_and_no_gradient() -> None:
