@@ -4,8 +4,9 @@ asynchronously (max_staleness = 1, in-flight weight updates), alternating, 3 run
 The work is real: the torch engine samples every token from a freshly initialised Llama-shaped
 policy (byte-level vocabulary; a completion ends at the end-of-turn token or at one of a few
 stop bytes, so lengths are long-tailed: most episodes are short, a few run to max_tokens), every
-answer is graded in the sandbox by the isolated test runner (bench/async_env.py), and the torch
-trainer takes a PPO step on every batch and publishes its weights to the engine. Disaggregated
+answer is graded in the sandbox by the isolated test runner (bench/async_env.py; 3 tests a task,
+graders at nice 0: see TESTS and the recipe below), and the torch trainer takes a PPO step on
+every batch and publishes its weights to the engine. Disaggregated
 hardware is emulated on one host: core 0 is the rollout machine, core 1 the trainer's. Ray's
 head is started on core 0, so every process it starts (engine replica, session shard, env
 actors and their sandboxes, controller, buffer, Serve) runs there; the trainer rank moves
@@ -27,7 +28,7 @@ From each run's steps (the first `--skip` left out: start-up and pipeline fill):
   - the longest pause of a running sequence across an in-flight weight swap (measured on the
     engine thread), against one decode step + the swap
 
-    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 14] [--skip 5] [--epochs 2]
+    .venv/bin/python bench/async_speedup.py [--runs 3] [--steps 14] [--skip 5] [--epochs 1]
         [--micro-batch-tokens 1024] [--set KEY=VALUE ...] [--out DIR] [--record FILE]
 
 Last line: {"bench": "async_speedup", "ours": <async step s>, "baseline": <sync step s>,
@@ -62,11 +63,18 @@ sys.path.insert(0, str(ROOT))
 
 ROLLOUT_CORE, TRAINER_CORE = 0, 1
 STOP_BYTES = ".\n"  # with <|im_end|>: 3 of 320 tokens end a completion
-TESTS = [  # tests over the answer text: about half of random answers pass each
+# Tests over the answer text, each passed by about half of random answers (the last by ~2/3),
+# near-independent. A task gets 3 of them (reward: the fraction passed, 4 levels), so a group of
+# 8 almost never scores alike: a zero-variance group has no advantage and the trainer skips its
+# tokens, and with 2 groups a batch such skips made one training step cost 3 s and the next 24 s.
+TESTS = [
+    "assert len(answer()) % 2 == 0",
     "assert len(set(answer())) % 2 == 0",
-    "assert answer().count(' ') <= answer().count('e') + 1",
+    "assert sum(map(ord, answer())) % 2 == 0",
     "assert sum(map(ord, answer())) % 3 != 0",
+    "assert (len(answer()) // 2) % 2 == 0",
 ]
+TESTS_PER_TASK = 3
 
 
 def loadavg() -> str:
@@ -169,7 +177,8 @@ def make_workload(d: Path, args: argparse.Namespace) -> tuple[Path, Path, list[i
         for i in range(64):
             f.write(json.dumps({"id": f"text-{i:02d}", "entry_point": "answer",
                                 "instruction": f"Write anything at all, note {i}.",
-                                "tests": [TESTS[i % len(TESTS)]]}) + "\n")
+                                "tests": [TESTS[(i + j) % len(TESTS)]
+                                          for j in range(TESTS_PER_TASK)]}) + "\n")
     return model, tasks, stops
 
 
@@ -193,6 +202,11 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
         f"trainer.micro_batch_tokens={args.micro_batch_tokens}",
         "env.env='bench.async_env:AnswerTextEnv'", "env.actors=2", "env.episodes_per_actor=64",
         f"env.cpu_affinity=[{ROLLOUT_CORE}]",
+        # graders at full weight beside the engine: on the hardware this emulates the engine
+        # computes on an accelerator and never takes a grader's CPU. At the default nice 10
+        # (autogroup weight 110 against Ray's 1024) grading an episode took 2.8 s in async runs
+        # (1.7 s sync) against 0.3 s here, and groups waiting on it held in-flight slots
+        "env.limits.nice=0",
         "env.max_turns=1", "serve.session_shards=1",
         f"train.steps={args.steps}", f"train.group_size={args.group_size}",
         f"train.groups_per_batch={args.groups}", f"train.max_staleness={staleness}",
@@ -214,6 +228,9 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
     res = {"step": med("step_s"), "wait": med("wait_s"), "train": med("train_s"),
            "sync": med("sync_s"),
            "tokens": statistics.median(r["gen_tokens_per_s"] * r["step_s"] for r in kept),
+           # the trained batch's tokens: an async batch holds the groups that settled first,
+           # so it can be lighter than a sync one (the per-token ratio below shows by how much)
+           "trained": statistics.median(r.get("tokens") or 0 for r in kept),
            "pause": max((r.get("engine_sync_pause_max_s", 0.0) for r in rows), default=0.0),
            "excess": max((r.get("engine_sync_pause_excess_max_s", 0.0) for r in rows), default=0.0),
            "over": max((r["engine_sync_pause_over_budget_max_s"] for r in rows
@@ -223,13 +240,19 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
            "staleness": max(r["staleness_max"] for r in rows), "reward": kept[-1]["reward_mean"],
            "engine_idle": statistics.median(r.get("engine_idle_frac", 0.0) for r in kept),
            "trainer_step": statistics.median(r.get("trainer_step_s") or 0.0 for r in kept),
+           "zero_var": sum(r.get("groups/zero_variance") or 0 for r in kept),
+           "groups": sum(r.get("groups/total") or 0 for r in kept),
+           "verify": statistics.median(r.get("time/episode/verify_s") or 0.0 for r in kept),
            "cores": busy, "wall": time.monotonic() - t0}
     print(f"  {mode:5s} run {idx}: step {res['step']:.2f}s (trainer waits {res['wait']:.2f}s, "
           f"trains {res['train']:.2f}s, publishes {res['sync']:.2f}s), {res['tokens']:.0f} "
-          f"generated tokens/batch, staleness max {res['staleness']:.0f}, "
+          f"generated tokens/batch, {res['trained']:.0f} trained, staleness max "
+          f"{res['staleness']:.0f}, "
           f"{len(rows)} steps in {res['wall']:.0f}s with start-up; engine idle "
           f"{res['engine_idle']:.0%}, trainer step {res['trainer_step']:.2f}s, cores busy "
-          f"{' / '.join(f'{b:.0%}' for b in busy)} (kept steps); load {loadavg()}", flush=True)
+          f"{' / '.join(f'{b:.0%}' for b in busy)}; zero-variance groups {res['zero_var']}/"
+          f"{res['groups']}, grading {res['verify']:.2f}s an episode (kept steps); load "
+          f"{loadavg()}", flush=True)
     res["mode"] = mode
     return [res]
 
@@ -248,7 +271,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--groups", type=int, default=2, help="groups per batch")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--epochs", type=int, default=2, help="trainer passes (optimizer steps) "
+    ap.add_argument("--epochs", type=int, default=1, help="trainer passes (optimizer steps) "
                     "per batch: sizes a training step against a generation batch")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for both modes (repeatable), e.g. "
@@ -287,6 +310,11 @@ def main() -> None:
                 if args.record:
                     with open(args.record, "a") as f:
                         f.write(json.dumps({**got[0], "load": loadavg()}) + "\n")
+    report(res, load0)
+
+
+def report(res: dict[str, list[dict]], load0: str) -> None:
+    """The summary over every run: step times, ratio, efficiency, per-token ratio, pauses."""
     s, a = res["sync"], res["async"]
     gen = [r["wait"] for r in s]
     train = [r["train"] + r["sync"] for r in s]
@@ -298,6 +326,18 @@ def main() -> None:
     print(f"generation alone {spread(gen)} | training alone (step + publish) {spread(train)}")
     print(f"sync step {spread(sync_step)} | async step {spread(async_step)} | ratio {ratio:.2f} "
           f"(goal >= 1.6) | pipeline efficiency {eff:.2f} (goal >= 0.85)")
+    # the same figures per trained token (a step's time / its batch's tokens, medians)
+    # (runs recorded before this figure existed have no "trained": left out of it)
+    per_tok = {m: [r["step"] / r["trained"] * 1e3 for r in res[m] if r.get("trained")]
+               for m in ("sync", "async")}
+    tok_ratio = float("nan")
+    if per_tok["sync"] and per_tok["async"]:
+        ps, pa = statistics.median(per_tok["sync"]), statistics.median(per_tok["async"])
+        tok_ratio = ps / pa
+        print(f"per 1000 trained tokens: sync {ps:.2f}s, async {pa:.2f}s, ratio {tok_ratio:.2f} "
+              f"(trained tokens a batch: sync "
+              f"{statistics.median(r['trained'] for r in s if r.get('trained')):.0f}, async "
+              f"{statistics.median(r['trained'] for r in a if r.get('trained')):.0f})")
     pause = max(r["pause"] for r in a)
     worst = max(a, key=lambda r: r["pause"])
     budget = worst["decode"] + worst["swap"]
@@ -314,6 +354,7 @@ def main() -> None:
           "figures are noisy)")
     print(json.dumps({"bench": "async_speedup", "ours": round(as_, 3), "baseline": round(ss, 3),
                       "ratio": round(ratio, 3), "efficiency": round(eff, 3),
+                      "ratio_per_token": round(tok_ratio, 3) if tok_ratio == tok_ratio else None,
                       "gen_alone_s": round(g, 3), "train_alone_s": round(t, 3),
                       "sync_pause_ms": round(pause * 1e3, 2),
                       "sync_pause_budget_ms": round(budget * 1e3, 2),
