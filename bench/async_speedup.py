@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 ROLLOUT_CORE, TRAINER_CORE = 0, 1
 STOP_BYTES = ".\n"  # with <|im_end|>: 3 of 320 tokens end a completion
-# Tests over the answer text, each passed by about half of random answers (the last by ~2/3),
+# Tests over the answer text, each passed by about half of random answers (`% 3 != 0` by ~2/3),
 # near-independent. A task gets 3 of them (reward: the fraction passed, 4 levels), so a group of
 # 8 almost never scores alike: a zero-variance group has no advantage and the trainer skips its
 # tokens, and with 2 groups a batch such skips made one training step cost 3 s and the next 24 s.
