@@ -51,6 +51,11 @@ def _masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), x, torch.zeros_like(x))
 
 
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B, 1]: each row's mean of x (already zero off the mask) over its loss tokens."""
+    return x.sum(dim=1, keepdim=True) / mask.to(x.dtype).sum(dim=1, keepdim=True).clamp(min=1.0)
+
+
 def _per_token(advantages: Tensor, like: Tensor) -> Tensor:
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
@@ -87,9 +92,7 @@ def tis_weights(
     """min(exp(old - sampling), cap), detached (ones when cap is 0), plus mismatch metrics."""
     diff = _masked((old_logprobs - sampling_logprobs).detach(), mask)
     if level == "sequence":  # geometric mean over the sequence's loss tokens
-        m = mask.to(diff.dtype)
-        seq = diff.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
-        diff_used = seq.expand_as(diff)
+        diff_used = _seq_mean(diff, mask).expand_as(diff)
     else:
         diff_used = diff
     raw = torch.exp(diff_used.clamp(max=_MAX_LOG_RATIO))
@@ -124,10 +127,9 @@ def sequence_mask(
     (one sampled by weights the trainer has moved far from) is left out instead of reweighted.
     Metrics: the share of loss tokens in masked sequences, the largest |mean log-ratio|."""
     m = mask.to(old_logprobs.dtype)
-    diff = _masked((old_logprobs - sampling_logprobs).detach(), mask)
+    seq = _seq_mean(_masked((old_logprobs - sampling_logprobs).detach(), mask), mask)
     n = m.sum(dim=1, keepdim=True)
-    seq = diff.sum(dim=1, keepdim=True) / n.clamp(min=1.0)
-    keep = (seq.abs() <= bound).to(diff.dtype)
+    keep = (seq.abs() <= bound).to(seq.dtype)
     has = n > 0
     metrics = {
         "seq_masked_frac": ((1.0 - keep) * n).sum() / m.sum().clamp(min=1.0),
@@ -187,9 +189,8 @@ def gspo_loss(
     clipped like PPO. Written per token as exp(sg[s] + logp - sg[logp]): every token carries
     the sequence's value and the gradient of the sequence ratio."""
     adv = _per_token(advantages, logprobs)
-    m = mask.to(logprobs.dtype)
     log_ratio = _masked(logprobs - old_logprobs.detach(), mask)
-    seq = log_ratio.sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
+    seq = _seq_mean(log_ratio, mask)
     tok_log_ratio = seq.detach() + logprobs - logprobs.detach()
     ratio = torch.exp(_masked(tok_log_ratio, mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     return _clipped_objective(ratio, adv, mask, eps_low, eps_high)
