@@ -328,16 +328,16 @@ def report(res: dict[str, list[dict]], load0: str) -> None:
           f"(goal >= 1.6) | pipeline efficiency {eff:.2f} (goal >= 0.85)")
     # the same figures per trained token (a step's time / its batch's tokens, medians)
     # (runs recorded before this figure existed have no "trained": left out of it)
-    per_tok = {m: [r["step"] / r["trained"] * 1e3 for r in res[m] if r.get("trained")]
-               for m in ("sync", "async")}
+    counted = {m: [r for r in res[m] if r.get("trained")] for m in ("sync", "async")}
     tok_ratio = float("nan")
-    if per_tok["sync"] and per_tok["async"]:
-        ps, pa = statistics.median(per_tok["sync"]), statistics.median(per_tok["async"])
-        tok_ratio = ps / pa
-        print(f"per 1000 trained tokens: sync {ps:.2f}s, async {pa:.2f}s, ratio {tok_ratio:.2f} "
-              f"(trained tokens a batch: sync "
-              f"{statistics.median(r['trained'] for r in s if r.get('trained')):.0f}, async "
-              f"{statistics.median(r['trained'] for r in a if r.get('trained')):.0f})")
+    if counted["sync"] and counted["async"]:
+        per_k = {m: statistics.median(r["step"] / r["trained"] * 1e3 for r in rs)
+                 for m, rs in counted.items()}
+        trained = {m: statistics.median(r["trained"] for r in rs) for m, rs in counted.items()}
+        tok_ratio = per_k["sync"] / per_k["async"]
+        print(f"per 1000 trained tokens: sync {per_k['sync']:.2f}s, async {per_k['async']:.2f}s, "
+              f"ratio {tok_ratio:.2f} (trained tokens a batch: sync {trained['sync']:.0f}, "
+              f"async {trained['async']:.0f})")
     pause = max(r["pause"] for r in a)
     worst = max(a, key=lambda r: r["pause"])
     budget = worst["decode"] + worst["swap"]

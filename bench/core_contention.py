@@ -4,8 +4,8 @@ work on one core leaves the other's speed alone (it does not when the two are SM
 one physical core, or share a saturated memory bus, which a VM's guest cannot see).
 
 A single-thread fp32 matmul (the trainer's kind of work) runs on core 1 for `--seconds`: alone,
-beside the same matmul on core 0, beside a memory-streaming copy on core 0 (the engine's decode
-kind), and alone again; median of `--runs` alternating rounds.
+beside the same matmul on core 0, and beside a memory-streaming copy on core 0 (the engine's
+decode kind); median of `--runs` rounds, each running the three in turn.
 
     .venv/bin/python bench/core_contention.py [--runs 3] [--seconds 3]
 
