@@ -242,6 +242,11 @@ class LossSection(_S):
     # gradient: sampled too far from the policy being trained for per-token truncation to
     # correct; 0 = off
     seq_mask: NonNegFloat = 0.0
+    # behaviour clip: a token whose ratio proximal/behaviour is already beyond [1 - eps_low,
+    # 1 + eps_high] in its advantage's direction gets no gradient (PPO's clip measured from
+    # the policy that sampled it): a stale batch does not push again what the steps since its
+    # sampling pushed. A no-op on fresh tokens (the ratio is the engine/trainer mismatch)
+    behaviour_clip: bool = False
     kl_coef: NonNegFloat = 0.0  # > 0 needs a frozen reference policy (loaded by the trainer)
     kl_estimator: Literal["k1", "k3"] = "k3"
     entropy_coef: NonNegFloat = 0.0  # entropy bonus: loss -= coef x per-token entropy

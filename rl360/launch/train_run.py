@@ -300,7 +300,9 @@ class TrainRun:
                 "is_ess_frac": m.get("is_ess_frac"), "sampler_kl": m.get("sampler_kl"),
                 "tis_capped_frac": m.get("tis_capped_frac"),
                 # trainer.loss.seq_mask: the share of loss tokens in masked sequences
-                **{k: m[k] for k in ("seq_masked_frac", "seq_log_ratio_abs_max") if k in m},
+                # and trainer.loss.behaviour_clip: the share of loss tokens it zeroed
+                **{k: m[k] for k in ("seq_masked_frac", "seq_log_ratio_abs_max",
+                                     "behaviour_clip_frac") if k in m},
                 "optimizer_steps": m.get("optimizer_steps"),
                 "in_flight_episodes": cstat["in_flight_episodes"],
                 **{k: v for k, v in stats.items() if k.startswith("count/")},

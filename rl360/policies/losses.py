@@ -13,6 +13,9 @@ Truncated importance sampling (TIS): the engines sample with their own numerics,
 logprobs differ from the trainer's. The policy-gradient term of each token is weighted by
 min(exp(old - sampling), tis_cap), detached; the mismatch itself is always reported. With
 `seq_mask` > 0 a sequence whose mean log-ratio old - sampling is out of bounds is masked whole.
+With `behaviour_clip` a token that the steps since its sampling already moved beyond the clip
+range in its advantage's direction (old / sampling > 1 + eps_high with A > 0, < 1 - eps_low with
+A < 0) gets no gradient: PPO's trust region measured from the behaviour policy.
 """
 
 from __future__ import annotations
@@ -138,6 +141,27 @@ def sequence_mask(
     return keep, metrics
 
 
+def behaviour_clip_mask(
+    old_logprobs: Tensor, sampling_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+    eps_low: float, eps_high: float, level: Literal["token", "sequence"] = "token",
+) -> tuple[Tensor, Metrics]:
+    """[B, T], detached: 0 on a token whose ratio old / sampling (the proximal policy over the
+    one that sampled it) already lies beyond the clip range in its advantage's direction, else
+    1. That is PPO's clip with the behaviour policy as the old one, evaluated where the step
+    starts: with one optimizer step per batch the proximal clip never acts, and a batch sampled
+    a version back would push again what the step in between already pushed (a delayed
+    feedback loop that overshoots). `level="sequence"` uses the sequence's mean log-ratio.
+    Metric: the share of loss tokens it zeroes."""
+    diff = _masked((old_logprobs - sampling_logprobs).detach(), mask)
+    if level == "sequence":
+        diff = _seq_mean(diff, mask).expand_as(diff)
+    ratio = torch.exp(diff.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    adv = _per_token(advantages, old_logprobs).detach()
+    out = ((ratio > 1.0 + eps_high) & (adv > 0)) | ((ratio < 1.0 - eps_low) & (adv < 0))
+    keep = _masked(1.0 - out.to(diff.dtype), mask)
+    return keep, {"behaviour_clip_frac": masked_mean(out.to(diff.dtype), mask)}
+
+
 # ----------------------------------------------------------------------------- base losses
 
 
@@ -260,6 +284,12 @@ class PolicyLoss:
                                                   c.seq_mask)
                 loss = loss * keep
                 metrics.update(seq_metrics)
+            if c.behaviour_clip:
+                keep_tok, bc_metrics = behaviour_clip_mask(
+                    old_logprobs, sampling_logprobs, advantages, mask, c.eps_low, c.eps_high,
+                    self.tis_level)
+                loss = loss * keep_tok
+                metrics.update(bc_metrics)
         if ref_logprobs is not None:
             kl = _masked(self.kl(logprobs, ref_logprobs.detach()), mask)
             metrics["kl"] = masked_mean(kl.detach(), mask)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rl360.policies.losses import (
+    behaviour_clip_mask,
     build_policy_loss,
     entropy_from_logits,
     gspo_loss,
@@ -150,6 +151,32 @@ def test_sequence_mask_drops_whole_sequences_sampled_far_from_the_proximal_polic
     assert logp.grad[0].tolist() == pytest.approx([-math.exp(0.5)] * 4)
     with pytest.raises(ValueError, match="seq_mask"):
         checked(LossSection, seq_mask=-0.1)
+
+
+def test_behaviour_clip_stops_pushing_tokens_already_moved_past_the_clip_range() -> None:
+    old = torch.full((2, 4), -1.0)
+    # log-ratio old - sampling per token: +0.5 (ratio 1.65), +0.1 (1.11), -0.5 (0.61), +0.5
+    # (the last one off the mask). Row 0 has A > 0: its first token was already pushed up past
+    # 1 + eps_high = 1.28 and is clipped; row 1 has A < 0: its -0.5 token (down past 0.8) is.
+    samp = torch.tensor([[-1.5, -1.1, -0.5, -1.5], [-1.5, -1.1, -0.5, -1.5]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    adv = torch.tensor([1.0, -1.0])
+    keep, m = behaviour_clip_mask(old, samp, adv, mask, eps_low=0.2, eps_high=0.28)
+    assert keep.tolist() == [[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+    assert float(m["behaviour_clip_frac"]) == pytest.approx(2 / 6)
+    # composed: a kept token keeps its TIS weight, a clipped one gets no gradient
+    logp = _leaf(old.tolist())
+    loss_fn = build_policy_loss(LossSection(name="ppo", tis_cap=2.0, behaviour_clip=True))
+    loss, lm = loss_fn(logp, None, samp, adv, mask)
+    loss.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -math.exp(0.1), -math.exp(-0.5), 0.0])
+    assert logp.grad[1].tolist() == pytest.approx([math.exp(0.5), math.exp(0.1), 0.0, 0.0])
+    assert float(lm["behaviour_clip_frac"]) == pytest.approx(2 / 6)
+    # fresh tokens (ratio 1 up to the engine mismatch) are never clipped; off by default
+    keep, m = behaviour_clip_mask(old, old + 1e-4, adv, mask, eps_low=0.2, eps_high=0.28)
+    assert keep.tolist() == mask.float().tolist() and float(m["behaviour_clip_frac"]) == 0.0
+    _, lm = build_policy_loss(LossSection(name="ppo", tis_cap=2.0))(logp, None, samp, adv, mask)
+    assert "behaviour_clip_frac" not in lm
 
 
 def test_masked_tokens_carry_no_loss_and_no_gradient() -> None:
