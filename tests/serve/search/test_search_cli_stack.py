@@ -20,14 +20,23 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[3]
 
 
-def listener(port: int) -> str:
-    """The name of the process listening on 127.0.0.1:`port`."""
+def listener(port: int, wait_s: float = 10.0) -> str:
+    """The name of a live process listening on 127.0.0.1:`port`. HAProxy reloads by starting a
+    new process and letting the old one exit, so a listener seen in the socket table may be gone
+    by the time it is looked up: such a one is skipped, and the table read again."""
     import psutil
 
-    for c in psutil.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
-            return psutil.Process(c.pid).name()
-    return ""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+                try:
+                    return psutil.Process(c.pid).name()
+                except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                    continue
+        if time.monotonic() > deadline:
+            return ""
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("ingress", ["proxy", "haproxy"])
