@@ -65,9 +65,8 @@ def start(ray, tasks_file: str, staleness: int, env_kw: dict | None = None, **cf
     from rl360.serve.weights.publisher import WeightPublisher
 
     env = ray.remote(FakeEnvActor).remote(**(env_kw or {}))
-    train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2,
-                    max_staleness=staleness,
-                    **{"max_in_flight_groups": 8, "shuffle_window": 0, **cfg})
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, max_staleness=staleness,
+                    **{"groups_per_batch": 2, "max_in_flight_groups": 8, "shuffle_window": 0, **cfg})
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
     ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
@@ -342,6 +341,28 @@ def test_without_oversampling_filtered_groups_are_not_replaced(ray_cluster, task
         ray.get(pub.report_applied.remote("r0", version + 1))
     status = ray.get(ctl.stop.remote())
     assert status["count/groups_filtered"] >= 2
+
+
+@pytest.mark.parametrize("oversampling", [False, True])
+def test_async_batches_hold_one_pass_without_oversampling(ray_cluster, tasks_file, oversampling) -> None:  # type: ignore[no-untyped-def]
+    """Async (max_staleness 1), one slow task (t2): without oversampling the first batch is
+    the first pass over the 5 tasks, each once, while the next pass already runs; with it, the
+    batch takes whichever groups finished first, so a quick task of the second pass stands in
+    for the slow one (an async batch's mix then swings from step to step: README "The demo")."""
+    import ray
+
+    _env, buf, _pub, ctl = start(ray, tasks_file, staleness=1, env_kw={"slow_task": "t2", "slow_s": 3.0},
+                                 groups_per_batch=5, max_in_flight_groups=10, oversampling=oversampling)
+    batch = ray.get(buf.next_batch.remote(0, 1, 30.0))
+    status = ray.get(ctl.status.remote())
+    ray.get(ctl.stop.remote())
+    assert batch is not None and len(batch.members) == 10
+    tasks = sorted({m.group_id: m.task_id for m in batch.members}.values())
+    if oversampling:  # 5 groups without t2's: some task twice
+        assert "t2" not in tasks, tasks
+    else:
+        assert tasks == ["t0", "t1", "t2", "t3", "t4"]
+        assert status["groups_started"] == 10  # the second pass generated meanwhile
 
 
 def test_a_group_runs_on_one_env_actor_and_a_task_stays_on_its_actor(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
