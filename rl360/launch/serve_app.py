@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rl360.launch.roles import LocalPlacement
+from rl360.launch.startup import StartupClock
 from rl360.policies.loading import resolve_model_path
 from rl360.recipe import Recipe
 from rl360.serve.engines.replica import EngineReplica, ServeEngineClient
@@ -83,9 +84,10 @@ def base_url(recipe: Recipe) -> str:
 
 
 def start_serving(recipe: Recipe, placement: Placement | None = None,
-                  timeout_s: float = 300.0) -> ServingHandles:
+                  timeout_s: float = 300.0, clock: StartupClock | None = None) -> ServingHandles:
     """Engines (on `placement`'s rollout options), shards, publisher and session servers
-    (service options); without a placement, Ray's default scheduler places them."""
+    (service options); without a placement, Ray's default scheduler places them. `clock`
+    gets marks: serve_start (controller and proxy up), serve_app (every replica RUNNING)."""
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -121,6 +123,8 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
     # Serve's controller, proxies and replicas start while the shards construct (tokenizer,
     # renderer); the session server finds them by name
     serve.start(http_options={"host": s.host, "port": s.port}, proxy_location=s.proxy_location)
+    if clock is not None:
+        clock.mark("serve_start")
     engine_opts = placement.engine_deployment_options()  # num_replicas, ray_actor_options, ...
     engine_opts["ray_actor_options"] = with_env(engine_opts.get("ray_actor_options") or {},
                                                 SAME_LOOP_ENV)
@@ -155,6 +159,8 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         serve.run(server, name=s.app_name, route_prefix="/", blocking=False)
         _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))
         ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
+        if clock is not None:
+            clock.mark("serve_app")
     except BaseException:
         stop_serving(handles)
         raise

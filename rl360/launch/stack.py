@@ -26,6 +26,7 @@ from rl360.launch.ingress import check_ingress, ingress_env
 from rl360.launch.roles import place_roles
 from rl360.launch.search_app import check_search, search_url, start_search, stop_search
 from rl360.launch.serve_app import base_url, shard_names, start_serving, stop_serving
+from rl360.launch.startup import StartupClock
 from rl360.ray_session import ray_session
 from rl360.recipe import Recipe, RecipeError
 
@@ -46,6 +47,7 @@ class Stack(Generic[T]):
     pool: EnvPool | None  # None: started without env actors
     search: SearchHandles | None = None  # None: no [search] index
     early: T | None = None  # what running_stack's `early` returned
+    clock: StartupClock | None = None  # when each part came up (running_stack's marks)
 
 
 def check_recipe_parts(recipe: Recipe) -> None:
@@ -70,11 +72,15 @@ def service_specs(recipe: Recipe, search: SearchHandles | None = None) -> dict[s
     return {"search": {"url": url, "timeout_s": s.tool_timeout_s, "default_k": s.default_k}}
 
 
-def _serve_apps(recipe: Recipe, placement: Placement) -> tuple[ServingHandles, SearchHandles | None]:
+def _serve_apps(recipe: Recipe, placement: Placement,
+                clock: StartupClock) -> tuple[ServingHandles, SearchHandles | None]:
     """The Serve apps, in order: rl360 (engines, shards, session server), then search."""
-    serving = start_serving(recipe, placement)
+    serving = start_serving(recipe, placement, clock=clock)
     try:
-        return serving, start_search(recipe, placement)
+        search = start_search(recipe, placement)
+        if search is not None:
+            clock.mark("search_app")
+        return serving, search
     except BaseException:
         stop_serving(serving)
         raise
@@ -83,30 +89,35 @@ def _serve_apps(recipe: Recipe, placement: Placement) -> tuple[ServingHandles, S
 @contextlib.contextmanager
 def running_stack(recipe: Recipe, *, env_actors: bool = True,
                   sampling: dict[str, Any] | None = None,
-                  early: Callable[[Placement], T] | None = None) -> Iterator[Stack[T]]:
+                  early: Callable[[Placement], T] | None = None,
+                  clock: StartupClock | None = None) -> Iterator[Stack[T]]:
     """Ray session + placement + Serve apps (+ env actors, with `sampling` as their default).
 
     Start-up overlaps: the Serve apps deploy on a thread of their own (most of their time is
     Serve's controller, proxy and replica starts, waited on) while this thread starts the env
     actors (they find the shards by name, at their first episode) and runs `early(placement)`,
     the caller's own slow starts (`rl360 train`'s trainer ranks); its result is `Stack.early`.
-    Everything is up when the stack is yielded; a failure anywhere stops what did start."""
+    Everything is up when the stack is yielded; a failure anywhere stops what did start.
+    `clock` (a new one by default: `Stack.clock`) gets a mark as each part comes up."""
     import ray
 
+    clock = clock or StartupClock()
 
     check_recipe_parts(recipe)  # bad env.params or [search] fail before Ray starts
     r = recipe.ray
     local = not (r.address or os.environ.get("RAY_ADDRESS", ""))
     with ray_session(r.address, r.num_cpus, r.dashboard, r.namespace,
                      env_vars=ingress_env(recipe.serve, local=local)) as info:
+        clock.mark("ray")
         if info["dashboard_url"]:
             print(f"rl360: Ray dashboard at {info['dashboard_url']}", file=sys.stderr)
         placement = place_roles(recipe)
+        clock.mark("placement")
         serving: ServingHandles | None = None
         pool: EnvPool | None = None
         search: SearchHandles | None = None
         apps = ThreadPoolExecutor(1, thread_name_prefix="rl360-serve-start")
-        started = apps.submit(_serve_apps, recipe, placement)
+        started = apps.submit(_serve_apps, recipe, placement, clock)
         try:
             try:
                 if env_actors:
@@ -115,13 +126,16 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
                                    placement.env_options(), services=service_specs(recipe))
                     loaded = [a.load.remote() for a in pool.actors]
                 extra = early(placement) if early is not None else None
+                if early is not None:
+                    clock.mark("early")
             finally:  # the apps are up (or failed) before anything goes on or is torn down
                 serving, search = started.result()
                 apps.shutdown()
             if pool is not None:
                 ray.get(loaded)  # up, or raise here
+                clock.mark("env_actors")
             yield Stack(info=info, placement=placement, serving=serving, pool=pool,
-                        search=search, early=extra)
+                        search=search, early=extra, clock=clock)
         finally:
             if pool is not None:
                 pool.shutdown()

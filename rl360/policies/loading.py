@@ -11,6 +11,7 @@ Nothing here downloads from a hub.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -104,13 +105,40 @@ def _convert_smollm2(out: Path) -> None:
     tok.save_pretrained(out)
 
 
+# tokenizer_config.json "tokenizer_class" values that name the plain tokenizer.json backend
+# (transformers 5 saves "TokenizersBackend"; "PreTrainedTokenizerFast" is its older name)
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _tokenizer_class(path: Path) -> str:
+    """tokenizer_config.json's tokenizer_class ("" when the file or the key is missing, or
+    there is no tokenizer.json for the generic class to read)."""
+    try:
+        cfg = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    cls = cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
+    return cls if isinstance(cls, str) and (path / "tokenizer.json").is_file() else ""
+
+
 def load_tokenizer(model: str, chat_template: str = "auto") -> object:
     """The model's tokenizer, with its chat template replaced when the recipe asks:
     "auto" keeps the tokenizer's own, "chatml_tools" uses RL360's ChatML tool template,
-    anything else is read as a path to a .jinja file."""
-    from transformers import AutoTokenizer
+    anything else is read as a path to a .jinja file.
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
+    A directory whose tokenizer_config.json names the generic tokenizers-library class gets
+    that class directly: AutoTokenizer would build the same object, after importing the
+    model-config machinery (and with it torch: ~3 CPU seconds in a process that needs
+    neither, a session shard's whole start-up). Any other class goes through AutoTokenizer."""
+    path = resolve_model_path(model)
+    if _tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
     if chat_template == "chatml_tools":
 
         tok.chat_template = CHATML_TOOLS

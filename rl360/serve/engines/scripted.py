@@ -10,7 +10,7 @@ import asyncio
 import re
 from typing import Any
 
-from rl360.policies.loading import resolve_model_path
+from rl360.policies.loading import load_tokenizer
 from rl360.recipe import EngineSection, ModelSection
 from rl360.types import Generation, SamplingParams
 
@@ -19,10 +19,7 @@ class ScriptedBackend:
     def __init__(self, engine: EngineSection, model: ModelSection, seed: int = 0,
                  tokenizer: Any = None) -> None:
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
-
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model.path))
+            tokenizer = load_tokenizer(model.path)
         self.tokenizer = tokenizer
         opts = engine.options
         self.rules: list[tuple[re.Pattern[str], str]] = [
