@@ -393,6 +393,11 @@ class TrainSection(_S):
     breaker_groups: PosInt = 8
     breaker_infra_rate: Prob = 0.9
     breaker_window: PosInt = 256
+    # > 0: park a task after this many all-failed groups in a row (every scored episode the
+    # same reward, <= 0: no GRPO signal); the stream then skips it park_passes times before one
+    # probe group (actors/parking.py). 0: every task always runs
+    park_after: NonNegInt = 0
+    park_passes: PosInt = 4
     tail_keep: NonNegInt = 0  # > 0: cancel slow groups once all but this many are done
     tail_factor: Annotated[float, Meta(ge=1.0)] = 3.0
     # open the first groups in waves of `size` groups every `interval_s` seconds instead of

@@ -15,7 +15,8 @@ closes its session (actors/env_pool.py).
 
 Recipe knobs: `train.rolling_start` (size, interval_s) opens the first max_in_flight_groups
 groups in waves; `train.oversampling = false` never replaces a filtered or cancelled group (the
-batch is whatever survived, see actors/buffer.py) instead of giving its slot to another group.
+batch is whatever survived, see actors/buffer.py) instead of giving its slot to another group;
+`train.park_after` / `park_passes` skip tasks that keep giving no signal (actors/parking.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import msgspec
 import ray
 
 from rl360.actors.env_pool import cancel_episodes
+from rl360.actors.parking import TaskParking
 from rl360.actors.reward_stats import task_domain
 from rl360.envs.tasks import iter_tasks
 from rl360.recipe import TrainSection
@@ -131,6 +133,7 @@ class RolloutController:
         self.started = 0  # groups that count towards batches (sets each group's batch index)
         self.seq = 0  # every group ever started (names)
         self.tasks_taken = 0
+        self.parking = TaskParking(config.park_after, config.park_passes)
         self.served_version = 0
         self.done_times: dict[int, list[float]] = collections.defaultdict(list)
         self.counts: collections.Counter[str] = collections.Counter()
@@ -159,10 +162,12 @@ class RolloutController:
 
     async def start(self, groups_started: int = 0, tasks_taken: int = 0,
                     pending: list[Task] | None = None,
-                    pending_occ: list[int] | None = None, seq: int = 0) -> None:
+                    pending_occ: list[int] | None = None, seq: int = 0,
+                    parking: dict[str, Any] | None = None) -> None:
         """Start the rollout loop; a resume passes a checkpoint's `checkpoint_state`: the
         groups settled, the stream position and the tasks to run first (in flight or
-        re-queued when it was taken) with their stream positions."""
+        re-queued when it was taken) with their stream positions, and the parked tasks."""
+        self.parking.load(parking)
         self.started = groups_started
         self.seq = max(seq, groups_started)  # group ids stay unique over a resume
         for _ in range(tasks_taken):  # resume: skip what earlier runs already took
@@ -218,7 +223,8 @@ class RolloutController:
             return blob, {"groups_started": self.started - len(self.inflight),
                           "tasks_taken": self.tasks_taken,
                           "pending_tasks": msgspec.to_builtins(pending),
-                          "pending_occ": occ, "seq": self.seq, "ledger": self._take_events()}
+                          "pending_occ": occ, "seq": self.seq, "parking": self.parking.state(),
+                          "ledger": self._take_events()}
 
     async def take_events(self) -> list[dict[str, Any]]:
         """The ledger events since the last call (the driver appends them to ledger.jsonl)."""
@@ -238,6 +244,7 @@ class RolloutController:
             "in_flight_groups": len(self.inflight),
             "in_flight_episodes": sum(len(g.refs) for g in self.inflight.values()),
             "served_version": self.served_version,
+            "tasks_parked": len(self.parking.parked),
             **{f"count/{k}": v for k, v in self.counts.items()},
         }
 
@@ -273,8 +280,15 @@ class RolloutController:
         if self.requeued and self.requeued[0][1] <= batch:
             task, _, occ = self.requeued.popleft()
             return task, occ
-        self.tasks_taken += 1
-        return next(self.tasks), self.tasks_taken - 1
+        while True:
+            task = next(self.tasks)
+            self.tasks_taken += 1
+            if not self.parking.skip(task.id):
+                return task, self.tasks_taken - 1
+            # parked: its place in the stream is taken (a resume's skip-ahead counts it) and
+            # the ledger says so (run_ledger.account: not lost)
+            self._events.append({"ev": "park", "occ": self.tasks_taken - 1, "task": task.id})
+            self.counts["park_skips"] += 1
 
     async def _admit(self) -> None:
         gpb = self.cfg.groups_per_batch
@@ -436,6 +450,10 @@ class RolloutController:
         queued = await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch)
         self._event("settle", g, gid, queued=bool(queued),
                     infra=sum(r.status == "infra_error" for r in records))
+        if self.parking.settled(g.task.id, records):
+            self.counts["tasks_parked"] += 1
+            log.info("parked task %s: %d all-failed groups in a row", g.task.id,
+                     self.parking.streak[g.task.id])
         if not queued:
             # filtered (no reward variance, or all infra failures): with oversampling its batch
             # slot goes to another group (or the staleness gate would wait for a batch that

@@ -67,7 +67,10 @@ class MetricsSink:
         elapsed = time.monotonic() - self.t0
         eta = elapsed / done * (self.total - step) if done else float("nan")
         fmt = lambda k, f: format(row[k], f) if isinstance(row.get(k), int | float) else "-"  # noqa: E731
-        print(f"step {step:>4}/{self.total}  reward {fmt('reward_mean', '.3f')}  "
+        # with parked tasks the batch's mix moves: the all-task figure is shown beside it
+        tasks = (f" (all tasks {fmt('task_reward_mean', '.3f')}, {row['tasks_parked']} parked)"
+                 if row.get("tasks_parked") else "")
+        print(f"step {step:>4}/{self.total}  reward {fmt('reward_mean', '.3f')}{tasks}  "
               f"pass {fmt('pass_rate', '.3f')}  loss {fmt('loss', '+.4f')}  "
               f"gen {fmt('gen_tokens_per_s', '.0f')} tok/s  staleness {fmt('staleness_mean', '.2f')}  "
               f"trainer idle {fmt('trainer_idle_frac', '.0%')}  "

@@ -2,7 +2,7 @@
 
 A task occurrence is the n-th task taken from the task stream (`occ`, kept when the task is
 re-queued by tail cancellation or carried over a resume as pending). The rollout controller
-records events (`start`, `rerun`, `settle`, `requeue`); the driver appends them to
+records events (`start`, `rerun`, `settle`, `requeue`, `park`); the driver appends them to
 `<run dir>/ledger.jsonl`, one row per step (with the group ids that step trained on), one per
 checkpoint (with the tasks a resume runs first) and one per injected fault. A resume keeps
 only the rows up to the checkpoint it starts from, so the file always tells the story of the
@@ -10,7 +10,8 @@ model that exists.
 
 `account(rows)` turns the rows into the figures the fault drills assert on:
   lost        occurrences taken from the stream that never settled (handed to the buffer,
-              queued or filtered) and are not pending in the last checkpoint;
+              queued or filtered), were not skipped as parked (a `park` event) and are not
+              pending in the last checkpoint;
   duplicated  occurrences that settled more than once (trained twice), or a group id trained
               in two steps;
   reruns      episodes run again after an infrastructure failure;
@@ -69,11 +70,14 @@ def account(rows: list[dict[str, Any]], group_size: int) -> dict[str, Any]:
     taken = 0
     pending: set[int] = set()
     started: set[int] = set()
+    parked: set[int] = set()
     for r in rows:
         for e in r.get("events", []):
             occ = int(e.get("occ", -1))
             if e["ev"] == "start":
                 started.add(occ)
+            elif e["ev"] == "park":
+                parked.add(occ)
             elif e["ev"] == "rerun":
                 reruns += 1
             elif e["ev"] == "settle":
@@ -85,11 +89,13 @@ def account(rows: list[dict[str, Any]], group_size: int) -> dict[str, Any]:
             pending = set(r.get("pending_occ", []))
     # every occurrence below the last checkpoint's stream position must have settled or be
     # pending there; one started after it (and not settled) was in flight when the run ended
-    lost = sorted(o for o in range(taken) if o not in settled and o not in pending)
+    lost = sorted(o for o in range(taken)
+                  if o not in settled and o not in pending and o not in parked)
     dup_occ = sorted(o for o, gids in settled.items() if len(gids) > 1 and o >= 0)
     dup_gid = sorted(g for g, n in trained.items() if n > 1)
     return {
         "occurrences": taken, "settled": len(settled), "pending": len(pending),
+        "parked_skips": len(parked),
         "lost": len(lost), "lost_occ": lost[:20],
         "duplicated": len(dup_occ) + len(dup_gid), "duplicated_occ": dup_occ[:20],
         "duplicated_groups": dup_gid[:20],

@@ -1,7 +1,7 @@
 """`rl360 plot`: several runs' reward on one axis, against wall-clock time or step.
 
 Reads each run's `metrics.jsonl` (a run directory or the file itself), draws `reward_mean`
-per step against `elapsed_s` (seconds since the run started: Ray, Serve and the actors
+(or `--metric`, e.g. `task_reward_mean` for runs that park tasks) per step against `elapsed_s` (seconds since the run started: Ray, Serve and the actors
 included) or the step number, and prints, per run, the first step and time at which the
 reward reached `--target`. Used for the README's sync/async pair of the CPU demo.
 """
@@ -41,8 +41,8 @@ def metrics_path(run: str) -> Path:
     return p
 
 
-def read_curve(path: Path, label: str) -> RunCurve:
-    """The run's reward per step; `elapsed_s` (or, in runs that predate it, the running sum
+def read_curve(path: Path, label: str, metric: str = "reward_mean") -> RunCurve:
+    """The run's reward (`metric`) per step; `elapsed_s` (or, in runs that predate it, the running sum
     of `step_s`) as the time of each step."""
     steps: list[int] = []
     seconds: list[float] = []
@@ -56,7 +56,7 @@ def read_curve(path: Path, label: str) -> RunCurve:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
         running += float(row.get("step_s") or 0.0)
-        r = row.get("reward_mean")
+        r = row.get(metric)
         if not isinstance(r, int | float) or not math.isfinite(r):
             continue
         steps.append(int(row["step"]))
@@ -66,7 +66,8 @@ def read_curve(path: Path, label: str) -> RunCurve:
     return RunCurve(label, steps, seconds, rewards)
 
 
-def plot(curves: list[RunCurve], out: Path, x: str, target: float | None, title: str) -> Path:
+def plot(curves: list[RunCurve], out: Path, x: str, target: float | None, title: str,
+         ylabel: str = "mean reward") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +84,7 @@ def plot(curves: list[RunCurve], out: Path, x: str, target: float | None, title:
     if target is not None:
         ax.axhline(target, lw=0.8, ls="--", color="gray", label=f"target {target:g}")
     ax.set_xlabel("minutes since the run started" if x == "time" else "training step")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize="small")
@@ -99,6 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", help="run directories (or their metrics.jsonl)")
     p.add_argument("--labels", default="", help="comma-separated legend labels (default: names)")
     p.add_argument("--x", choices=["time", "step"], default="time", help="x axis (default: time)")
+    p.add_argument("--metric", default="reward_mean",
+                   help="the metrics.jsonl key to draw (default reward_mean; task_reward_mean: "
+                        "every task once at its latest group, for runs that park tasks)")
     p.add_argument("--target", type=float, default=None, help="draw and report this reward")
     p.add_argument("--title", default="RL360 mean reward", help="plot title")
     p.add_argument("--out", default="reward_runs.png", help="PNG to write")
@@ -109,14 +113,15 @@ def plot_command(args: argparse.Namespace) -> int:
     try:
         if labels and len(labels) != len(args.runs):
             raise ValueError(f"--labels: {len(labels)} labels for {len(args.runs)} runs")
-        curves = [read_curve(metrics_path(run), labels[i] if labels else Path(run).name)
+        curves = [read_curve(metrics_path(run), labels[i] if labels else Path(run).name,
+                             args.metric)
                   for i, run in enumerate(args.runs)]
     except (OSError, ValueError) as exc:
         print(f"rl360 plot: {exc}", file=sys.stderr)
         return 2
     for c in curves:
         if not c.rewards:
-            print(f"{c.label}: no steps with a reward")
+            print(f"{c.label}: no steps with {args.metric}")
             continue
         line = f"{c.label}: {len(c.steps)} steps, {c.seconds[-1]:.0f} s, best {max(c.rewards):.3f}"
         if args.target is not None:
@@ -124,6 +129,7 @@ def plot_command(args: argparse.Namespace) -> int:
             line += (f", first >= {args.target:g} at step {hit[0]} ({hit[1]:.0f} s)" if hit
                      else f", never >= {args.target:g}")
         print(line)
-    out = plot(curves, Path(args.out), args.x, args.target, args.title)
+    ylabel = "mean reward" if args.metric == "reward_mean" else args.metric
+    out = plot(curves, Path(args.out), args.x, args.target, args.title, ylabel)
     print(f"wrote {out}")
     return 0

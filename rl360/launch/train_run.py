@@ -34,6 +34,7 @@ from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.faults import faults_after, inject
 from rl360.launch.roles import Placement
 from rl360.launch.stack import Stack, running_stack
+from rl360.launch.startup import StartupClock
 from rl360.launch.step_log import TrainEval, TrajectoryLog, load_eval_tasks
 from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
@@ -166,10 +167,13 @@ class TrainRun:
         (self.run_dir / "recipe.json").write_text(json.dumps(msgspec.to_builtins(recipe), indent=2))
         self.ledger = RunLedger(self.run_dir, self.step0 if self.ckpt else None)
         policy = self.ckpt / "model" if self.ckpt else model_path
+        clock = StartupClock(self.t_start)
         with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling),
-                           early=lambda placement: start_learners(recipe, placement, policy)
-                           ) as stack:
+                           early=lambda placement: start_learners(recipe, placement, policy),
+                           clock=clock) as stack:
             actors = start_train_actors(recipe, stack, policy)
+            clock.mark("controller")
+            print(f"rl360: up: {clock.line()}", file=sys.stderr)
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
                                         recipe.engine.replicas, dtype=recipe.model.dtype,
                                         inplace=recipe.engine.backend == "torch")
@@ -192,7 +196,8 @@ class TrainRun:
                 ray.get(actors.controller.start.remote(int(self.meta.get("groups_started", 0)),
                                                        int(self.meta.get("tasks_taken", 0)),
                                                        pending, self.meta.get("pending_occ"),
-                                                       int(self.meta.get("seq", 0))))
+                                                       int(self.meta.get("seq", 0)),
+                                                       self.meta.get("parking")))
                 self.loop(stack, actors, transport)
                 self._last_eval()
             except ray.exceptions.RayTaskError as exc:
@@ -227,6 +232,9 @@ class TrainRun:
     def loop(self, stack: Stack, actors: TrainActors, transport: WeightTransport) -> None:
         tr = self.recipe.train
         last_engine: dict[str, dict[str, Any]] = {}
+        # this process's start-up marks (README "Where a step goes"), on its first step's row
+        startup = stack.clock.as_metrics() if stack.clock is not None else {}
+        latest = TaskRewards()
         for step in range(self.step0 + 1, tr.steps + 1):
             t0 = time.monotonic()
             batch = self._next_batch(actors, step)
@@ -258,6 +266,7 @@ class TrainRun:
             wstat = stack.serving.weight_status()
             step_s = time.monotonic() - t0
             t_status = time.monotonic() - t_status0
+            latest.update(stats)
             engines = wstat.get("engines", {})
             engine_idle = _engine_idle(engines, last_engine)
             engine_busy = _engine_busy(engines, last_engine)
@@ -267,6 +276,10 @@ class TrainRun:
             self.sink.log(with_deltas({
                 "step": step, "policy_version": self.version, "reward_mean": stats["reward_mean"],
                 "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
+                # every task seen so far counted once, at its latest group's mean reward (a
+                # parked task at its last one): the batch's task mix does not move it
+                "task_reward_mean": latest.mean(), "tasks_seen": len(latest.by_task),
+                "tasks_parked": cstat.get("tasks_parked", 0),
                 # the episodes finished since the previous step (the step's own figures are
                 # those of the batch it trained: TrajectoryBuffer.take_recent_stats)
                 "episodes_finished": stats["episodes_finished"],
@@ -311,6 +324,7 @@ class TrainRun:
                 "infra_rate": stats.get("infra_rate"), "tokens": stats.get("tokens"),
                 **{k: v for k, v in stats.items() if "/" in k and not k.startswith("count/")},
                 **self.evaluator.poll(),
+                **(startup if step == self.step0 + 1 else {}),
             }, self.first_domain))
             out_of_time = (self.deadline is not None and time.monotonic() >= self.deadline
                            and step < tr.steps)
@@ -354,6 +368,22 @@ class TrainRun:
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
                                actors.controller, self.recipe.train.keep_checkpoints, self.ledger)
+
+
+class TaskRewards:
+    """Each task's latest mean reward, from the steps' `task/<id>/reward_mean` keys."""
+
+    def __init__(self) -> None:
+        self.by_task: dict[str, float] = {}
+
+    def update(self, stats: dict[str, Any]) -> None:
+        for k, v in stats.items():
+            if (k.startswith("task/") and k.endswith("/reward_mean")
+                    and isinstance(v, int | float) and math.isfinite(v)):
+                self.by_task[k[len("task/"):-len("/reward_mean")]] = float(v)
+
+    def mean(self) -> float:
+        return sum(self.by_task.values()) / len(self.by_task) if self.by_task else float("nan")
 
 
 def _engine_max(engines: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:

@@ -18,9 +18,10 @@ pytestmark = pytest.mark.ray
 
 
 class FakeEnvActor(GroupRollout):
-    def __init__(self, slow_task: str = "", slow_s: float = 30.0) -> None:
+    def __init__(self, slow_task: str = "", slow_s: float = 30.0, zero_task: str = "") -> None:
         self.version = 0
         self.slow_task, self.slow_s = slow_task, slow_s
+        self.zero_task = zero_task  # set: that task always scores 0, every other one 1
         self.started: list[tuple[str, int]] = []
         self.started_at: list[float] = []  # time.monotonic() of each episode's start
 
@@ -37,6 +38,8 @@ class FakeEnvActor(GroupRollout):
         self.started_at.append(time.monotonic())
         await asyncio.sleep(self.slow_s if task.id == self.slow_task else 0.01)
         r = float(hash(group_id) % 2)
+        if self.zero_task:
+            r = 0.0 if task.id == self.zero_task else 1.0
         return Trajectory(session_id="s", tokens=[1, 2], mask=[0, 1], logprobs=[None, -0.1],
                           versions=[None, self.version], provenance=["prompt", "generated"],
                           task_id=task.id, group_id=group_id, reward=Reward(r))
@@ -401,3 +404,25 @@ def test_a_group_runs_on_one_env_actor_and_a_task_stays_on_its_actor(ray_cluster
     assert all(len(actors) == 1 for actors in homes.values()), homes
     # new tasks alternate: t0, t2, t4 on one actor, t1, t3 on the other
     assert sorted(len(gs) for gs in groups) == [3, 5]
+
+
+def test_a_task_without_signal_is_parked_skipped_and_probed(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """t0 always scores 0 (no GRPO signal), the others always 1. With park_after = 1 and
+    park_passes = 2, one group at a time: t0 runs once, its next two offers are skipped (each
+    a `park` event holding its stream position), the third is a probe, which parks it again."""
+    import ray
+
+    env, _buf, _pub, ctl = start(ray, tasks_file, staleness=8, env_kw={"zero_task": "t0"},
+                                 max_in_flight_groups=1, park_after=1, park_passes=2)
+    deadline = time.monotonic() + 60
+    while len(ray.get(env.log.remote())) < 2 * 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = ray.get(ctl.status.remote())
+    events = ray.get(ctl.take_events.remote())
+    ray.get(ctl.stop.remote())
+    started = [e["task"] for e in events if e["ev"] == "start"][:16]
+    rest = ["t1", "t2", "t3", "t4"]
+    assert started == ["t0", *rest, *rest, *rest, "t0", "t1", "t2"]
+    parks = [(e["occ"], e["task"]) for e in events if e["ev"] == "park"]
+    assert parks[:2] == [(5, "t0"), (10, "t0")]  # stream positions 5 and 10: not lost
+    assert status["tasks_parked"] == 1 and status["count/park_skips"] >= 2

@@ -48,3 +48,19 @@ def test_a_missing_run_or_wrong_labels_is_one_line(tmp_path: Path, capsys) -> No
     (run / "metrics.jsonl").write_text("{not json\n")
     assert main(["plot", str(run)]) == 2
     assert "metrics.jsonl:1: not a JSON line" in capsys.readouterr().err
+
+
+def test_another_metric_is_drawn_and_reported(tmp_path: Path, capsys) -> None:
+    """A run that parks tasks is judged on task_reward_mean (every task once), not on the
+    batch's reward_mean, whose task mix moves."""
+    parked = _run(tmp_path, "parked", [
+        {"step": 1, "reward_mean": 0.9, "task_reward_mean": 0.8, "elapsed_s": 10.0},
+        {"step": 2, "reward_mean": 0.95, "task_reward_mean": 0.86, "elapsed_s": 11.0},
+    ])
+    out = tmp_path / "p.png"
+    assert main(["plot", str(parked), "--metric", "task_reward_mean", "--target", "0.85",
+                 "--out", str(out)]) == 0
+    assert "parked: 2 steps, 11 s, best 0.860, first >= 0.85 at step 2 (11 s)" in \
+        capsys.readouterr().out
+    assert main(["plot", str(parked), "--metric", "nope", "--out", str(out)]) == 0
+    assert "parked: no steps with nope" in capsys.readouterr().out
