@@ -64,6 +64,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     # ids that end generation in addition to stop_token_ids (the model's EOS ids); the
     # session server fills this from the tokenizer so backends need not know the tokenizer
     eos_token_ids: list[int] = msgspec.field(default_factory=list)
+    # scheduling: a request with a lower value gets a free row first (arrival order within one
+    # value), as vLLM's priority scheduling. The rollout controller sets each group's start
+    # order, so the turns of the oldest batch's groups go first; the torch engine honours it,
+    # the vLLM and SGLang backends ignore it
+    priority: int = 0
 
 
 FinishReason = Literal["stop", "length", "abort"]

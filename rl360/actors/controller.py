@@ -260,8 +260,10 @@ class RolloutController:
             # members' identical answers are graded once there (envs/agent.py: concurrent
             # identical submissions share one sandboxed run)
             a, n = self._home_actor(task.id), self.cfg.group_size
+            # priority = start order: the engines give the oldest groups' turns a row first,
+            # so the batch the trainer waits for is not queued behind the next one's
             outs = self.env_actors[a].rollout_group.options(num_returns=n + 1).remote(
-                task, gid, n, self.sampling)
+                task, gid, n, {**self.sampling, "priority": self.seq - 1})
             # every member's record is in the group's one list until it is re-run alone
             records, refs, actors = [outs[0]] * n, list(outs[1:]), [a] * n
             g = self.inflight[gid] = _Group(task, records, refs,

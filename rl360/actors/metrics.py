@@ -24,6 +24,7 @@ class MetricsSink:
         self.total = total_steps
         self.t0 = time.monotonic()
         self.first_step: int | None = None
+        self._parked_seen = False  # a step logged tasks_parked > 0: show the all-task reward
         self.rows: list[dict[str, Any]] = []
         if resume and self.path.exists():
             self.rows = [json.loads(line) for line in self.path.open() if line.strip()]
@@ -67,9 +68,10 @@ class MetricsSink:
         elapsed = time.monotonic() - self.t0
         eta = elapsed / done * (self.total - step) if done else float("nan")
         fmt = lambda k, f: format(row[k], f) if isinstance(row.get(k), int | float) else "-"  # noqa: E731
-        # with parked tasks the batch's mix moves: the all-task figure is shown beside it
-        tasks = (f" (all tasks {fmt('task_reward_mean', '.3f')}, {row['tasks_parked']} parked)"
-                 if row.get("tasks_parked") else "")
+        # once a task was parked the batch's mix moves: the all-task figure is shown beside it
+        self._parked_seen = self._parked_seen or bool(row.get("tasks_parked"))
+        tasks = (f" (all tasks {fmt('task_reward_mean', '.3f')}, {row.get('tasks_parked', 0)} "
+                 "parked)" if self._parked_seen else "")
         print(f"step {step:>4}/{self.total}  reward {fmt('reward_mean', '.3f')}{tasks}  "
               f"pass {fmt('pass_rate', '.3f')}  loss {fmt('loss', '+.4f')}  "
               f"gen {fmt('gen_tokens_per_s', '.0f')} tok/s  staleness {fmt('staleness_mean', '.2f')}  "

@@ -119,6 +119,9 @@ def load_eval_tasks(paths: list[str], limit: int, every: int) -> list[Task]:
     return tasks
 
 
+EVAL_PRIORITY = 2**31 - 1  # SamplingParams.priority: lower goes first
+
+
 class TrainEval:
     """The held-out task set, run on the current policy every `every` steps by the env actors
     next to the rollouts (group ids `eval-<step>-<i>`); `poll` returns the eval/* metrics once
@@ -126,7 +129,10 @@ class TrainEval:
 
     def __init__(self, every: int, tasks: list[Task], env_actors: list[Any],
                  sampling: dict[str, Any]) -> None:
-        self.every, self.tasks, self.actors, self.sampling = every, tasks, env_actors, sampling
+        # behind every training group in the engines' queues (those go by start order): the
+        # evaluation runs in spare rows and never holds up the batch the trainer waits for
+        self.every, self.tasks, self.actors = every, tasks, env_actors
+        self.sampling = {**sampling, "priority": EVAL_PRIORITY}
         self.pending: list[Any] = []
         self.started_step = 0
 

@@ -3,7 +3,9 @@ continuously.
 
 One named background task runs the engine loop. Between two decode steps it applies a
 pending weight update, drops cancelled rows, and admits waiting requests into free rows of the
-running batch (an idle engine first waits up to `batch_wait_ms` for company); then one step
+running batch (an idle engine first waits up to `batch_wait_ms` for company), lowest
+`SamplingParams.priority` first and in arrival order within a priority (the rollout controller
+gives each group its start order, so the oldest batch's turns go first); then one step
 runs on the engine's thread: a prefill of the newly admitted rows (prompt suffixes past a
 prefix-cache hit, grouped by length) and one decode token for every other row. Rows that
 finish leave at once; the K/V cache is the engine's own (`torch_model.SlotKV`), and finished
@@ -26,6 +28,8 @@ was sampled from (after temperature, top-k and top-p; the raw distribution for g
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import os
 import random
@@ -119,7 +123,7 @@ class TorchBackend:
         self.runner = LlamaRunner(model)
         self.prefix = PrefixCache(int(engine.prefix_cache_mb * 2**20))
         self._version = 0
-        self._waiting: deque[_Request] = deque()
+        self._waiting = _WaitQueue()
         self._rows: list[_Request] = []  # row i lives in KV slot i
         self._updates: deque[_Update] = deque()  # appended by the loop, taken by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +165,7 @@ class TorchBackend:
         assert self._wake is not None
         fut: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(self._poke)  # a cancelled caller frees its row at the next step
-        self._waiting.append(_Request(list(prompt_ids), sampling, fut))
+        self._waiting.push(_Request(list(prompt_ids), sampling, fut))
         self._poke()
         return await fut  # cancelling the caller cancels fut: its row leaves at the next step
 
@@ -282,7 +286,7 @@ class TorchBackend:
         admit: list[_Request] = []
         free = self.engine_cfg.max_batch_size - len(self._rows)
         while self._waiting and not blocked and len(admit) < free:
-            r = self._waiting.popleft()
+            r = self._waiting.pop()
             if not r.future.done():
                 admit.append(r)
         return admit
@@ -498,6 +502,26 @@ class TorchBackend:
         elif (len(r.out_ids) >= s.max_tokens
               or len(r.prompt_ids) + len(r.out_ids) >= self.model_cfg.max_model_len):
             r.finish_reason = "length"
+
+
+class _WaitQueue:
+    """Requests waiting for a row: lowest `sampling.priority` first, arrival order within one."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, _Request]] = []
+        self._arrival = itertools.count()
+
+    def push(self, r: _Request) -> None:
+        heapq.heappush(self._heap, (r.sampling.priority, next(self._arrival), r))
+
+    def pop(self) -> _Request:
+        return heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Any:
+        return (r for _, _, r in self._heap)
 
 
 def _settle(fut: asyncio.Future[bool], value: bool | BaseException) -> None:

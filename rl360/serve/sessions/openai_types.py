@@ -61,6 +61,8 @@ class ChatCompletionRequest(msgspec.Struct):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
+    # vLLM's extension: lower is scheduled first (types.SamplingParams.priority)
+    priority: int | None = None
     # refused: the ledger, not the client, decides the prompt ids (TITO case 1)
     input_ids: Any = None
     prompt_token_ids: Any = None
@@ -79,6 +81,7 @@ class CompletionRequest(msgspec.Struct):
     n: int = 1
     stream: bool = False
     logprobs: int | None = None
+    priority: int | None = None
 
 
 class OpenSessionRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -281,6 +281,7 @@ class SessionService:
         sampling = self._sampling(
             prep, req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
+            priority=req.priority,
         )
         # a group's sessions go to one engine replica (their prompts share a prefix); the
         # metadata of an HTTP session is the client's: only a non-empty string routes
@@ -364,7 +365,7 @@ class SessionService:
         prep = ledger.prepare_completion(ids)
         sampling = self._sampling(prep, req.temperature, req.top_p, req.top_k,
                                   req.max_tokens or 16, req.stop, req.stop_token_ids, req.seed,
-                                  eos=False)
+                                  eos=False, priority=req.priority)
         gen = await self._generate(ids, sampling, sid)
         text = self.renderer.decode(gen.token_ids)
         if gen.stop_string and gen.stop_string in text:
@@ -392,6 +393,7 @@ class SessionService:
         self, prep: PreparedTurn, temperature: float | None, top_p: float | None,
         top_k: int | None, max_tokens: int | None, stop: str | list[str] | None,
         stop_token_ids: list[int] | None, seed: int | None, eos: bool = True,
+        priority: int | None = None,
     ) -> SamplingParams:
         room = self.max_model_len - len(prep.prompt_ids)
         if room <= 0:
@@ -413,10 +415,13 @@ class SessionService:
         if len(stops) > 16 or any(len(x) > 1024 for x in stops):
             raise LedgerError(400, "bad_stop", "at most 16 stop strings of up to 1024 characters")
         self._check_ids(list(stop_token_ids or []), "stop_token_ids")
+        if priority is not None and not -2**31 <= priority < 2**31:
+            raise LedgerError(422, "bad_priority", "priority must be a 32-bit integer")
         return SamplingParams(
             temperature=t, top_p=p, top_k=top_k or 0, max_tokens=min(want, room),
             stop=[s for s in stops if s], stop_token_ids=list(stop_token_ids or []), seed=seed,
             eos_token_ids=self.renderer.eos_ids if eos else [],
+            priority=priority or 0,
         )
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:

@@ -237,3 +237,23 @@ async def test_inflight_swap_runs_on_the_engine_thread_between_two_decode_steps(
     assert entry["steps_across"] == 1  # the row's next token came from the step right after
     assert entry["pause_s"] >= entry["swap_s"] > 0
     assert be.health()["sync_pause_max_s"] == entry["pause_s"]
+
+
+async def test_waiting_requests_get_a_row_lowest_priority_first(lm) -> None:  # type: ignore[no-untyped-def]
+    """One row, busy: the queued requests are admitted by `priority` (lower first), in arrival
+    order within one priority (the controller's start order: the oldest batch's turns first)."""
+    be = make(lm, batch_wait_ms=0, max_batch_size=1)
+    done: list[str] = []
+
+    async def gen(name: str, prio: int, n: int) -> None:
+        await be.generate([3, 4, 5], SamplingParams(temperature=0.0, max_tokens=n, priority=prio))
+        done.append(name)
+
+    first = asyncio.create_task(gen("running", 9, 60))
+    await until(lambda: be.health()["steps"] >= 2)
+    queued = [asyncio.create_task(gen(name, prio, 3))
+              for name, prio in [("b5", 5), ("c1", 1), ("d5", 5), ("e0", 0)]]
+    await until(lambda: be.health()["queued"] == 4)
+    await asyncio.gather(first, *queued)
+    assert done == ["running", "e0", "c1", "b5", "d5"]
+    await be.close()

@@ -289,3 +289,25 @@ def test_unknown_matcher_is_a_clear_error(renderer) -> None:  # type: ignore[no-
 
     with pytest.raises(LedgerError, match="unknown message matcher"):
         make_service(renderer).open(matcher="fuzzy")
+
+
+async def test_priority_reaches_the_engine_and_a_bad_one_is_refused(renderer) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's `priority` extension: lower is scheduled first (the torch engine's queue)."""
+    be = ScriptedBackend(EngineSection(options={"rules": RULES}), ModelSection(),
+                         tokenizer=renderer.tokenizer)
+    seen: list[int] = []
+    inner = be.generate
+
+    async def generate(ids: list[int], sampling: Any) -> Any:
+        seen.append(sampling.priority)
+        return await inner(ids, sampling)
+
+    be.generate = generate  # type: ignore[method-assign]
+    svc = service(renderer, LocalEngineClient(be))
+    s = svc.open()
+    for extra, want in (({"priority": 7}, 7), ({}, 0)):
+        out = await svc.chat(s["id"], s["token"], req([{"role": "user", "content": "x"}], **extra))
+        assert not isinstance(out, ApiError) and seen[-1] == want
+    bad = await svc.chat(s["id"], s["token"],
+                         req([{"role": "user", "content": "y"}], priority=2**40))
+    assert isinstance(bad, ApiError) and bad.code == "bad_priority" and len(seen) == 2
