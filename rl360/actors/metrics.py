@@ -122,13 +122,19 @@ def plot_curve(rows: list[dict[str, Any]], out: Path) -> Path | None:
     pts = [(r["step"], r["reward_mean"]) for r in rows if isinstance(r.get("reward_mean"), int | float)]
     if not pts:
         return None
+    parked = any(r.get("tasks_parked") for r in rows)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1.2, label="mean reward")
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1.2,
+            label="mean reward (batch)" if parked else "mean reward")
+    if parked:  # the batch's mix moved: every task once at its latest group
+        tr = [(r["step"], r["task_reward_mean"]) for r in rows
+              if isinstance(r.get("task_reward_mean"), int | float)]
+        ax.plot([p[0] for p in tr], [p[1] for p in tr], lw=1.4, label="all-task reward")
     pr = [(r["step"], r["pass_rate"]) for r in rows if isinstance(r.get("pass_rate"), int | float)]
     if pr:
         ax.plot([p[0] for p in pr], [p[1] for p in pr], lw=1.0, alpha=0.7, label="pass rate")

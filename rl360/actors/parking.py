@@ -8,8 +8,10 @@ With `train.park_after = k` a task whose last k settled groups were all like tha
 the next `train.park_passes` times the task stream offers it, it is skipped; the time after
 that it runs one group (a probe). A probe that is still all-failed parks it again; any group
 with a reward above 0, or with variance, unparks it and clears its count. Groups that failed
-entirely on the infrastructure say nothing about the task and change nothing. Tasks every
-episode solves are never parked (they are where forgetting shows first).
+entirely on the infrastructure say nothing about the task and change nothing. Only a task that
+has given no signal in this run is parked: one that had a success or variance once and then
+fails (a task the policy lost: README "The demo") keeps running every pass, since sampling is
+its way back, and a task every episode solves is never parked (forgetting shows there first).
 
 A skipped offer still takes its place in the stream (`tasks_taken`; the ledger records it as a
 `park` event, so `run_ledger.account` does not count it as lost), and `state()` / `load()`
@@ -41,6 +43,7 @@ class TaskParking:
         self.after, self.passes = after, passes
         self.streak: collections.Counter[str] = collections.Counter()
         self.parked: dict[str, int] = {}  # task id -> offers still to skip
+        self.signalled: set[str] = set()  # tasks that gave signal once: never parked again
 
     def skip(self, task_id: str) -> bool:
         """The stream offers `task_id`: True to skip it (parked), False to run it."""
@@ -63,6 +66,9 @@ class TaskParking:
         if not none:
             self.streak.pop(task_id, None)
             self.parked.pop(task_id, None)
+            self.signalled.add(task_id)
+            return False
+        if task_id in self.signalled:
             return False
         self.streak[task_id] += 1
         if self.streak[task_id] >= self.after and task_id not in self.parked:
@@ -71,10 +77,12 @@ class TaskParking:
         return False
 
     def state(self) -> dict[str, Any]:
-        return {"streak": dict(self.streak), "parked": dict(self.parked)}
+        return {"streak": dict(self.streak), "parked": dict(self.parked),
+                "signalled": sorted(self.signalled)}
 
     def load(self, state: dict[str, Any] | None) -> None:
         state = state or {}
         self.streak = collections.Counter({str(k): int(v) for k, v in
                                            (state.get("streak") or {}).items()})
         self.parked = {str(k): int(v) for k, v in (state.get("parked") or {}).items()}
+        self.signalled = {str(t) for t in state.get("signalled") or []}

@@ -444,11 +444,14 @@ def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, contro
 
 
 def _print_curve(rows: list[dict[str, Any]]) -> None:
-    pts = [(r["step"], r["reward_mean"]) for r in rows if isinstance(r.get("reward_mean"), int | float)]
+    # once tasks were parked the batch's mix moved: the all-task reward tells the run
+    key = ("task_reward_mean" if any(r.get("tasks_parked") for r in rows) else "reward_mean")
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
     if not pts:
         return
     first, best, last = pts[0][1], max(p[1] for p in pts), pts[-1][1]
-    print(f"reward: first step {first:.3f}, best {best:.3f}, last {last:.3f} over {len(pts)} steps")
+    what = "all-task reward" if key == "task_reward_mean" else "reward"
+    print(f"{what}: first step {first:.3f}, best {best:.3f}, last {last:.3f} over {len(pts)} steps")
     width = 50
     for s, v in pts[:: max(1, len(pts) // 20)]:
         print(f"  step {s:>4} {v:5.3f} {'#' * round(v * width)}")

@@ -38,14 +38,18 @@ def test_parked_after_k_groups_skipped_for_p_offers_then_probed() -> None:
     assert [p.skip("h") for _ in range(4)] == [True, True, True, False]
     assert not p.settled("h", recs(0, 1))  # the probe found a success: back for good
     assert not p.skip("h") and p.streak["h"] == 0
-    assert not p.settled("h", recs(0, 0))  # the count starts again from 0
+    for _ in range(5):  # it gave signal once: failing again later never parks it
+        assert not p.settled("h", recs(0, 0))
+    assert not p.skip("h")
 
 
-def test_a_success_in_between_resets_the_count_and_infra_groups_change_nothing() -> None:
+def test_only_a_task_that_never_gave_signal_is_parked_and_infra_groups_change_nothing() -> None:
+    """A task the policy solved once and then lost keeps running: sampling is its way back."""
     p = TaskParking(after=2, passes=1)
+    p.settled("lost", recs(1, 0))
+    assert not any(p.settled("lost", recs(0, 0)) for _ in range(6))
+    assert not p.skip("lost")
     p.settled("t", recs(0, 0))
-    p.settled("t", recs(1, 0))
-    assert not p.settled("t", recs(0, 0))  # not 2 in a row
     assert not p.settled("t", recs(None, None))  # all infra: neither counts nor resets
     assert p.settled("t", recs(0, 0))
     assert not p.skip("other")  # other tasks are not affected
@@ -62,6 +66,9 @@ def test_off_by_default_and_the_state_survives_a_resume() -> None:
     q = TaskParking(after=1, passes=2)
     q.load(p.state())
     assert [q.skip("h") for _ in range(2)] == [True, False]  # one skip was already spent
+    p.settled("s", recs(1, 0))
+    q.load(p.state())
+    assert not q.settled("s", recs(0, 0)) and "s" in q.signalled
     q.load(None)
     assert not q.skip("h")
 
