@@ -118,11 +118,17 @@ def domain_lines(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]
     return dict(sorted(lines.items()))
 
 
+def parked_run(rows: list[dict[str, Any]]) -> bool:
+    """A step of the run had a task parked: the batch's mix moved, so the all-task reward
+    (`task_reward_mean`), not the batch's, tells how the run went."""
+    return any(r.get("tasks_parked") for r in rows)
+
+
 def plot_curve(rows: list[dict[str, Any]], out: Path) -> Path | None:
     pts = [(r["step"], r["reward_mean"]) for r in rows if isinstance(r.get("reward_mean"), int | float)]
     if not pts:
         return None
-    parked = any(r.get("tasks_parked") for r in rows)
+    parked = parked_run(rows)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -89,6 +89,23 @@ def episode_metrics(records: Iterable[EpisodeRecord], by_task: bool = True) -> d
     return out
 
 
+class TaskRewards:
+    """Each task's latest mean reward, read back from the steps' `task/<id>/reward_mean` keys
+    (`episode_metrics`): the driver's `task_reward_mean`, every task seen counted once."""
+
+    def __init__(self) -> None:
+        self.by_task: dict[str, float] = {}
+
+    def update(self, stats: Mapping[str, Any]) -> None:
+        for k, v in stats.items():
+            if (k.startswith("task/") and k.endswith("/reward_mean")
+                    and isinstance(v, int | float) and math.isfinite(v)):
+                self.by_task[k[len("task/"):-len("/reward_mean")]] = float(v)
+
+    def mean(self) -> float:
+        return sum(self.by_task.values()) / len(self.by_task) if self.by_task else float("nan")
+
+
 def group_outcome(records: list[EpisodeRecord]) -> dict[str, bool]:
     """How one finished group counts: positive (some scored episode passed), negative (none
     did), zero_variance (every scored reward equal: no learning signal), all_infra (nothing

@@ -1,8 +1,9 @@
 """`rl360 plot`: several runs' reward on one axis, against wall-clock time or step.
 
 Reads each run's `metrics.jsonl` (a run directory or the file itself), draws `reward_mean`
-(or `--metric`, e.g. `task_reward_mean` for runs that park tasks) per step against `elapsed_s` (seconds since the run started: Ray, Serve and the actors
-included) or the step number, and prints, per run, the first step and time at which the
+(or `--metric`, e.g. `task_reward_mean` for runs that park tasks) per step against
+`elapsed_s` (seconds since the run started: Ray, Serve and the actors included) or the step
+number, and prints, per run, the first step and time at which the
 reward reached `--target`. Used for the README's sync/async pair of the CPU demo.
 """
 
@@ -42,8 +43,8 @@ def metrics_path(run: str) -> Path:
 
 
 def read_curve(path: Path, label: str, metric: str = "reward_mean") -> RunCurve:
-    """The run's reward (`metric`) per step; `elapsed_s` (or, in runs that predate it, the running sum
-    of `step_s`) as the time of each step."""
+    """The run's reward (`metric`) per step; `elapsed_s` (or, in runs that predate it, the
+    running sum of `step_s`) as the time of each step."""
     steps: list[int] = []
     seconds: list[float] = []
     rewards: list[float] = []

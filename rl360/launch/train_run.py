@@ -27,8 +27,8 @@ import ray
 
 from rl360.actors.buffer import TrajectoryBuffer
 from rl360.actors.controller import ControllerFailed, RolloutController
-from rl360.actors.metrics import MetricsSink
-from rl360.actors.reward_stats import first_values, with_deltas
+from rl360.actors.metrics import MetricsSink, parked_run
+from rl360.actors.reward_stats import TaskRewards, first_values, with_deltas
 from rl360.actors.run_ledger import RunLedger
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.launch.faults import faults_after, inject
@@ -370,22 +370,6 @@ class TrainRun:
                                actors.controller, self.recipe.train.keep_checkpoints, self.ledger)
 
 
-class TaskRewards:
-    """Each task's latest mean reward, from the steps' `task/<id>/reward_mean` keys."""
-
-    def __init__(self) -> None:
-        self.by_task: dict[str, float] = {}
-
-    def update(self, stats: dict[str, Any]) -> None:
-        for k, v in stats.items():
-            if (k.startswith("task/") and k.endswith("/reward_mean")
-                    and isinstance(v, int | float) and math.isfinite(v)):
-                self.by_task[k[len("task/"):-len("/reward_mean")]] = float(v)
-
-    def mean(self) -> float:
-        return sum(self.by_task.values()) / len(self.by_task) if self.by_task else float("nan")
-
-
 def _engine_max(engines: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:
     """`engine_<key>`: the largest value over the replicas that report `key`."""
     out = {}
@@ -445,7 +429,7 @@ def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, contro
 
 def _print_curve(rows: list[dict[str, Any]]) -> None:
     # once tasks were parked the batch's mix moved: the all-task reward tells the run
-    key = ("task_reward_mean" if any(r.get("tasks_parked") for r in rows) else "reward_mean")
+    key = "task_reward_mean" if parked_run(rows) else "reward_mean"
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
     if not pts:
         return

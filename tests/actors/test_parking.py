@@ -4,8 +4,8 @@ brings it back; the ledger's accounting of parked offers; the all-task reward th
 from __future__ import annotations
 
 from rl360.actors.parking import TaskParking, no_signal
+from rl360.actors.reward_stats import TaskRewards
 from rl360.actors.run_ledger import account
-from rl360.launch.train_run import TaskRewards
 from rl360.types import EpisodeRecord, Reward
 
 
