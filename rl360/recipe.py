@@ -20,6 +20,7 @@ PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
+Niceness = Annotated[int, Meta(ge=-20, le=19)]  # Linux scheduling niceness
 Prob = Annotated[float, Meta(gt=0.0, le=1.0)]
 
 
@@ -77,6 +78,9 @@ class EngineSection(_S):
     # torch backend: pin every replica's threads to these CPU cores (Linux); [] = no pinning.
     # Keeps an engine off the trainer's cores (or emulates separate machines on one host)
     cpu_affinity: list[Annotated[int, Meta(ge=0, le=65535)]] = msgspec.field(default_factory=list)
+    # scheduling niceness of every engine replica's threads (Linux; Ray starts its workers at
+    # 15, below its raylet/GCS/dashboard at 0). Best effort: lowering it needs CAP_SYS_NICE
+    nice: Niceness = 0
 
     def __post_init__(self) -> None:
         if self.weight_update == "inflight" and self.backend in ("vllm", "sglang"):
@@ -283,6 +287,8 @@ class TrainerSection(_S):
     threads: NonNegInt = 0  # torch intra-op threads per rank; 0 = one per reserved CPU
     # torch/fsdp: pin every rank's threads to these CPU cores (Linux); [] = no pinning
     cpu_affinity: list[Annotated[int, Meta(ge=0, le=65535)]] = msgspec.field(default_factory=list)
+    # scheduling niceness of every rank's threads, as engine.nice (15 = Ray's own)
+    nice: Niceness = 0
     # pass the padding mask to the model. A causal LM with right padding does not need it
     # (a real token never attends to a later pad) and runs faster without it.
     attention_mask: bool = False

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rl360.policies.affinity import pin_to_cpus
+from rl360.policies.affinity import pin_to_cpus, set_niceness
 from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validate_samples
 from rl360.policies.devices import Placement, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
@@ -108,6 +108,7 @@ class TorchTrainer:
         self.seed = seed
         self.model_path = Path(model_path)
         pin_to_cpus(config.cpu_affinity, "trainer.cpu_affinity")
+        set_niceness(config.nice, "trainer.nice")
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         torch.manual_seed(seed)

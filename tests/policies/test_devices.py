@@ -4,6 +4,7 @@ num_gpus + dtype + the CUDA devices a process sees -> torch device and dtype; cl
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,39 @@ def test_cpu_pinning_to_a_missing_core_names_the_key() -> None:
     pin_to_cpus([], "engine.cpu_affinity")  # no pinning asked: nothing happens
     with pytest.raises(ValueError, match=r"^trainer.cpu_affinity: no CPU core 4096 on this host"):
         pin_to_cpus([0, 4096], "trainer.cpu_affinity")
+
+
+def test_niceness_covers_threads_started_before_and_after() -> None:
+    """engine/trainer.nice: a process Ray started at niceness 15 takes the asked niceness on
+    every thread (Linux keeps it per thread), those started later included."""
+    import subprocess
+    import sys
+
+    if not hasattr(os, "setpriority"):
+        pytest.skip("no os.setpriority on this platform")
+    code = (
+        "import os, threading\n"
+        "from rl360.policies.affinity import set_niceness\n"
+        "ev = threading.Event()\n"
+        "t = threading.Thread(target=ev.wait, daemon=True); t.start()\n"
+        "ok = set_niceness(0, 'engine.nice')\n"
+        "later = threading.Thread(target=ev.wait, daemon=True); later.start()\n"
+        "print(ok, sorted({os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir('/proc/self/task')}))\n"
+        "ev.set()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: os.nice(15))  # as Ray starts its workers
+    if out.stdout.startswith("False"):
+        pytest.skip("lowering the niceness is not permitted here (no CAP_SYS_NICE)")
+    assert out.stdout.strip() == "True [0]"
+
+
+def test_niceness_refused_warns_with_the_key_and_keeps_going(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    from rl360.policies import affinity
+
+    def refuse(*_: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(affinity.os, "setpriority", refuse)
+    with caplog.at_level("WARNING", logger="rl360.affinity"):
+        assert affinity.set_niceness(0, "trainer.nice") is False
+    assert "trainer.nice = 0: not permitted here" in caplog.text

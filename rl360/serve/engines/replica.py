@@ -14,6 +14,7 @@ from typing import Any
 
 from ray import serve
 
+from rl360.policies.affinity import set_niceness
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines import build_engine_backend
 from rl360.serve.weights.publisher import follow_weights
@@ -40,6 +41,7 @@ class EngineReplica:
         publisher: tuple[str, str] | None = None,
     ) -> None:
         self.backend_name = backend = engine.backend
+        set_niceness(engine.nice, "engine.nice")  # before the backend starts threads/processes
         self.backend = build_engine_backend(engine, model, seed)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
