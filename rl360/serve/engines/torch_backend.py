@@ -136,7 +136,8 @@ class TorchBackend:
         self._failure: BaseException | None = None
         self._stats: dict[str, Any] = {
             "batches": 0, "steps": 0, "requests": 0, "tokens": 0, "cancelled": 0,
-            "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_swap_s": 0.0, "last_update_wait_s": 0.0,
+            "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_step_cpu_s": 0.0,
+            "last_swap_s": 0.0, "last_swap_cpu_s": 0.0, "last_update_wait_s": 0.0,
             "sync_pause_max_s": 0.0, "sync_pause_excess_max_s": 0.0,
             "sync_pause_over_budget_max_s": float("-inf"),
         }
@@ -147,6 +148,10 @@ class TorchBackend:
         # it; wait: from the update's arrival to the swap's start; steps_across: engine steps
         # between a row's last old and first new token)
         self.sync_log: deque[dict[str, float]] = deque(maxlen=256)
+        # seconds by which a plain decode step took longer than the plain step of the same rows
+        # right before it (negative: shorter): the step-to-step change no swap is involved in
+        self.step_changes: deque[float] = deque(maxlen=4096)
+        self._last_plain: tuple[int, float] | None = None
         # all model work on ONE long-lived thread: torch's intra-op pool and the allocator's
         # arenas are per calling thread, and hopping between executor threads made a batch
         # ~15x slower (and the process 4 GB larger) inside a Serve replica
@@ -205,6 +210,11 @@ class TorchBackend:
             "torch_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             "step_median_s": statistics.median(list(self.step_times)) if self.step_times else 0.0,
+            "step_p99_s": _quantile(self.step_times, 0.99),
+            # the control for sync_pause_over_budget_max_s (README "Weight sync"): the largest
+            # and the 95th percentile of step_changes
+            "step_change_max_s": max(self.step_changes, default=0.0),
+            "step_change_p95_s": _quantile(self.step_changes, 0.95),
             "kv_bytes": self.runner.kv.nbytes,
             "prefix_entries": len(self.prefix),
             "prefix_bytes": self.prefix.nbytes,
@@ -304,7 +314,7 @@ class TorchBackend:
                             u.version, self._version)
                 self._settle(u.done, False)
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             self._stats["last_update_wait_s"] = t0 - u.arrived
             # a PackedUpdate (rl360.serve.weights.packing) loads itself in place, checked
             packed = hasattr(u.state, "apply_to")
@@ -317,6 +327,7 @@ class TorchBackend:
                     raise
                 continue
             swap = time.perf_counter() - t0
+            self._stats["last_swap_cpu_s"] = time.thread_time() - c0
             took = (took or 0.0) + swap
             self._version = u.version
             self.prefix.clear()  # its K/V came from the old weights
@@ -333,7 +344,8 @@ class TorchBackend:
         self._loop.call_soon_threadsafe(_settle, fut, value)
 
     def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
-                      step_before: float, step_s: float, done: list[_Request]) -> None:
+                      step_before: float, step_s: float, done: list[_Request],
+                      cpu_before: float) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
         rows = [r for r in self._rows + done if id(r) in before]
         if not rows:
@@ -350,7 +362,15 @@ class TorchBackend:
         self.sync_log.append({"version": self._version, "swap_s": swap, "pause_s": pause,
                               "step_s": step_s, "step_before_s": step_before,
                               "wait_s": wait, "rows": len(rows),
-                              "steps_across": across})
+                              "steps_across": across,
+                              # the engine thread's CPU seconds in the same spans: wall far
+                              # above CPU is time the thread was not running (another process
+                              # on its core, or the GIL)
+                              "swap_cpu_s": self._stats["last_swap_cpu_s"],
+                              "step_cpu_s": self._stats["last_step_cpu_s"],
+                              "step_before_cpu_s": cpu_before})
+        log.info("in-flight swap: %s", {k: round(v, 4) if isinstance(v, float) else v
+                                        for k, v in self.sync_log[-1].items()})
 
     def _finish(self, r: _Request) -> None:
         self._stats["requests"] += 1
@@ -403,22 +423,32 @@ class TorchBackend:
             wait_from = self._updates[0].arrived
             before = {id(r): (r.t_last, len(r.out_ids)) for r in self._rows}
             step_before = self._stats["last_step_s"]
+            cpu_before = self._stats["last_step_cpu_s"]
             t_swap = time.perf_counter()
             swap = self._swap_pending()
             if swap is not None:
+                self._last_plain = None  # the step after a swap is not a control
                 done = self._one_step(gone, [])
                 self._record_pause(before, swap, t_swap - wait_from, step_before,
-                                   self._stats["last_step_s"], done)
+                                   self._stats["last_step_s"], done, cpu_before)
                 return done + (self._one_step([], admit) if admit else [])
         return self._one_step(gone, admit)
 
     def _one_step(self, gone: list[int], admit: list[_Request]) -> list[_Request]:
-        t0 = time.perf_counter()
+        rows = len(self._rows)
+        t0, c0 = time.perf_counter(), time.thread_time()
         done = self._step(gone, admit, self._version)
         dt = time.perf_counter() - t0
         self._stats["busy_s"] += dt
         self._stats["last_step_s"] = dt
+        self._stats["last_step_cpu_s"] = time.thread_time() - c0
         self.step_times.append(dt)
+        # the control for the pause across a swap: how much one plain decode step (no row
+        # admitted or dropped) takes longer than the plain decode step of the same rows before it
+        plain = (rows, dt) if not admit and not gone else None
+        if plain and self._last_plain and self._last_plain[0] == rows:
+            self.step_changes.append(dt - self._last_plain[1])
+        self._last_plain = plain
         return done
 
     @torch.inference_mode()  # the slot cache's tensors are inference tensors: all work on them here
@@ -522,6 +552,14 @@ class _WaitQueue:
 
     def __iter__(self) -> Any:
         return (r for _, _, r in self._heap)
+
+
+def _quantile(xs: deque[float], q: float) -> float:
+    """The q-quantile of xs (nearest rank), 0.0 when empty."""
+    if not xs:
+        return 0.0
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _settle(fut: asyncio.Future[bool], value: bool | BaseException) -> None:

@@ -239,6 +239,31 @@ async def test_inflight_swap_runs_on_the_engine_thread_between_two_decode_steps(
     assert be.health()["sync_pause_max_s"] == entry["pause_s"]
 
 
+async def test_step_changes_are_the_control_and_leave_out_the_step_after_a_swap(lm) -> None:  # type: ignore[no-untyped-def]
+    """`step_changes` (the control the bench sets the pause across a swap against): one entry
+    per plain decode step that follows a plain step of the same rows; the step right after an
+    in-flight swap is not one of them."""
+    n = 200
+    sp = SamplingParams(temperature=0.0, max_tokens=n)
+    be = make(lm, batch_wait_ms=0)
+    gen = await be.generate([1, 2, 3], sp)  # one prefill step, then n - 1 plain decode steps
+    assert len(gen.token_ids) == n and len(be.step_changes) == n - 2
+    assert be.health()["step_change_max_s"] == max(be.step_changes)
+    await be.close()
+
+    model, tok = load_causal_lm(str(lm[0].name_or_path), "float32")
+    be = TorchBackend(EngineSection(batch_wait_ms=0), ModelSection(), model=model, tokenizer=tok)
+    run = asyncio.create_task(be.generate([1, 2, 3], sp))
+    await until(lambda: be.health()["steps"] >= 4)
+    upd = _HeldUpdate(dict(model.state_dict()))
+    upd.release.set()
+    assert await be.update_weights(1, upd)
+    gen = await run
+    assert len(gen.token_ids) == n and len(be.sync_log) == 1 and 1 in gen.token_versions
+    assert len(be.step_changes) == n - 3  # the step after the swap left out
+    await be.close()
+
+
 async def test_waiting_requests_get_a_row_lowest_priority_first(lm) -> None:  # type: ignore[no-untyped-def]
     """One row, busy: the queued requests are admitted by `priority` (lower first), in arrival
     order within one priority (the controller's start order: the oldest batch's turns first)."""
