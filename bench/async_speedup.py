@@ -371,8 +371,8 @@ def report(res: dict[str, list[dict]], load0: str) -> None:
           f"logged {max(r['swap'] for r in a) * 1e3:.1f} ms); beyond the swap + the step right after "
           f"it: {excess * 1e3:.2f} ms at most")
     print(f"  control, plain decode steps with no swap: a step took longer than the plain step "
-          f"of the same rows before it by up to {max(r['change_max'] for r in a) * 1e3:.1f} ms "
-          f"(95th percentile {max(r['change_p95'] for r in a) * 1e3:.1f} ms, worst run)")
+          f"of the same rows before it by up to {max(r.get('change_max', 0.0) for r in a) * 1e3:.1f} ms "
+          f"(95th percentile {max(r.get('change_p95', 0.0) for r in a) * 1e3:.1f} ms, worst run)")
     print(f"load before {load0}, after {loadavg()} (2-core box shared with other engineers: "
           "figures are noisy)")
     print(json.dumps({"bench": "async_speedup", "ours": round(as_, 3), "baseline": round(ss, 3),
@@ -380,7 +380,7 @@ def report(res: dict[str, list[dict]], load0: str) -> None:
                       "ratio_per_token": round(tok_ratio, 3) if tok_ratio == tok_ratio else None,
                       "gen_alone_s": round(g, 3), "train_alone_s": round(t, 3),
                       "sync_pause_ms": round(pause * 1e3, 2),
-                      "step_change_max_ms": round(max(r["change_max"] for r in a) * 1e3, 2),
+                      "step_change_max_ms": round(max(r.get("change_max", 0.0) for r in a) * 1e3, 2),
                       "sync_pause_excess_ms": round(excess * 1e3, 2),
                       "sync_pause_over_step_before_ms": round(over * 1e3, 2),
                       "runs": [len(s), len(a)], "load": loadavg()}))
