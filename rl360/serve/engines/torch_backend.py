@@ -210,7 +210,6 @@ class TorchBackend:
             "torch_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             "step_median_s": statistics.median(list(self.step_times)) if self.step_times else 0.0,
-            "step_p99_s": _quantile(self.step_times, 0.99),
             # the control for sync_pause_over_budget_max_s (README "Weight sync"): the largest
             # and the 95th percentile of step_changes
             "step_change_max_s": max(self.step_changes, default=0.0),
@@ -369,8 +368,6 @@ class TorchBackend:
                               "swap_cpu_s": self._stats["last_swap_cpu_s"],
                               "step_cpu_s": self._stats["last_step_cpu_s"],
                               "step_before_cpu_s": cpu_before})
-        log.info("in-flight swap: %s", {k: round(v, 4) if isinstance(v, float) else v
-                                        for k, v in self.sync_log[-1].items()})
 
     def _finish(self, r: _Request) -> None:
         self._stats["requests"] += 1
