@@ -294,7 +294,8 @@ class TrainRun:
                 # across a weight swap so far, and the swap / decode step it compares with
                 **_engine_max(engines, ("sync_pause_max_s", "sync_pause_excess_max_s",
                                        "sync_pause_over_budget_max_s", "last_swap_s",
-                                       "step_median_s", "step_change_max_s", "step_change_p95_s")),
+                                       "step_median_s", "step_change_max_s", "step_change_p95_s",
+                                       "sync_over_median_s", "sync_over_max_s")),
                 "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
                 "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
                 "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,

@@ -152,6 +152,9 @@ class TorchBackend:
         # right before it (negative: shorter): the step-to-step change no swap is involved in
         self.step_changes: deque[float] = deque(maxlen=4096)
         self._last_plain: tuple[int, float] | None = None
+        # per in-flight swap whose step before was a plain decode step of the same rows (and no
+        # row left in the step after): pause - swap - that step, the figure the bar is about
+        self.swap_overs: deque[float] = deque(maxlen=4096)
         # all model work on ONE long-lived thread: torch's intra-op pool and the allocator's
         # arenas are per calling thread, and hopping between executor threads made a batch
         # ~15x slower (and the process 4 GB larger) inside a Serve replica
@@ -214,6 +217,11 @@ class TorchBackend:
             # and the 95th percentile of step_changes
             "step_change_max_s": max(self.step_changes, default=0.0),
             "step_change_p95_s": _quantile(self.step_changes, 0.95),
+            # per comparable swap, pause - swap - the plain step of the same rows before it:
+            # the typical (median) and the worst, judged against the control above
+            "sync_over_median_s": statistics.median(self.swap_overs) if self.swap_overs else 0.0,
+            "sync_over_max_s": max(self.swap_overs, default=0.0),
+            "sync_over_n": len(self.swap_overs),
             "kv_bytes": self.runner.kv.nbytes,
             "prefix_entries": len(self.prefix),
             "prefix_bytes": self.prefix.nbytes,
@@ -344,7 +352,7 @@ class TorchBackend:
 
     def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
                       step_before: float, step_s: float, done: list[_Request],
-                      cpu_before: float) -> None:
+                      cpu_before: float, same: bool) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
         rows = [r for r in self._rows + done if id(r) in before]
         if not rows:
@@ -358,10 +366,12 @@ class TorchBackend:
                                                      pause - swap - step_s)
         self._stats["sync_pause_over_budget_max_s"] = max(
             self._stats["sync_pause_over_budget_max_s"], pause - swap - step_before)
+        if same:
+            self.swap_overs.append(pause - swap - step_before)
         self.sync_log.append({"version": self._version, "swap_s": swap, "pause_s": pause,
                               "step_s": step_s, "step_before_s": step_before,
                               "wait_s": wait, "rows": len(rows),
-                              "steps_across": across,
+                              "steps_across": across, "same_rows": same,
                               # the engine thread's CPU seconds in the same spans: wall far
                               # above CPU is time the thread was not running (another process
                               # on its core, or the GIL)
@@ -421,13 +431,17 @@ class TorchBackend:
             before = {id(r): (r.t_last, len(r.out_ids)) for r in self._rows}
             step_before = self._stats["last_step_s"]
             cpu_before = self._stats["last_step_cpu_s"]
+            # the step before compares with the step after only when it was a plain decode
+            # step of the rows the step after decodes (a prefill or a finished row changes it)
+            same = (self._last_plain is not None and not gone
+                    and self._last_plain[0] == len(self._rows))
             t_swap = time.perf_counter()
             swap = self._swap_pending()
             if swap is not None:
                 self._last_plain = None  # the step after a swap is not a control
                 done = self._one_step(gone, [])
                 self._record_pause(before, swap, t_swap - wait_from, step_before,
-                                   self._stats["last_step_s"], done, cpu_before)
+                                   self._stats["last_step_s"], done, cpu_before, same)
                 return done + (self._one_step([], admit) if admit else [])
         return self._one_step(gone, admit)
 

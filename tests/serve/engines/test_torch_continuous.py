@@ -261,6 +261,12 @@ async def test_step_changes_are_the_control_and_leave_out_the_step_after_a_swap(
     gen = await run
     assert len(gen.token_ids) == n and len(be.sync_log) == 1 and 1 in gen.token_versions
     assert len(be.step_changes) == n - 3  # the step after the swap left out
+    # the swap came between two decode steps of the one row: it counts for the bar, as its
+    # pause minus the swap minus the plain step before it
+    entry, health = be.sync_log[0], be.health()
+    assert entry["same_rows"] and health["sync_over_n"] == 1
+    assert health["sync_over_max_s"] == health["sync_over_median_s"] == pytest.approx(
+        entry["pause_s"] - entry["swap_s"] - entry["step_before_s"])
     await be.close()
 
 
