@@ -400,8 +400,10 @@ def report(res: dict[str, list[dict]], load0: str) -> None:
     verdict = pause_verdict(a)
     print(f"in-flight weight swaps: the longest pause of a running sequence {pause * 1e3:.1f} ms "
           f"(median decode step {decode * 1e3:.1f} ms, longest swap logged "
-          f"{max(r['swap'] for r in a) * 1e3:.1f} ms); beyond the swap + the step right after it: "
-          f"{excess * 1e3:.2f} ms at most")
+          f"{max(r['swap'] for r in a) * 1e3:.1f} ms); from the end of the step before, beyond "
+          f"the swap + the step right after it: {excess * 1e3:.2f} ms at most (a pause also "
+          f"holds the rest of a step before that prefilled new rows after stamping the "
+          f"running ones)")
     print(f"  per swap, pause - (that swap + the plain decode step of the same rows before it): "
           f"median {max(r.get('over_med', nan) for r in a) * 1e3:+.1f} ms (goal <= "
           f"{TYPICAL_SHARE:.0%} of the run's median decode step), worst "

@@ -1,6 +1,8 @@
 """Weight sync: publish a ~100 MB state dict to 2 torch engine replicas and time it until both
-serve the new version, for each transport: the object store with full versions, the object
-store with delta versions, and the gloo collective.
+serve the new version, for each transport: the object store with full versions copied into
+each replica's parameters (`zero_copy = false`), the object store with full versions served
+in place (the default: parameters become views of the version's object), the object store
+with delta versions, and the gloo collective.
 
     .venv/bin/python bench/weight_sync.py [--runs 3] [--changed 0.01]
 
@@ -17,7 +19,7 @@ replica's fetch (zero-copy get, or receiving the broadcast) and update (queueing
 engine loop + the in-place load: apply, with its CPU time); rest = RPC hops and scheduling.
 Last line:
 {"bench": "weight_sync", "ours": <object store full GB/s>, "baseline": <memcpy GB/s>,
- "ratio": ..., "gloo_ratio": ..., "delta_ratio": ..., ...}
+ "ratio": ..., "gloo_ratio": ..., "delta_ratio": ..., "copy_ratio": ..., ...}
 """
 
 from __future__ import annotations
@@ -175,6 +177,10 @@ def main() -> None:
             version = 0
             memcpy = Memcpy(nbytes)
             transports = {
+                # zero_copy off: each replica copies the version into its own parameters
+                "object_store_copy": (ObjectStoreTransport(
+                    serving, sender, ObjectStoreSync(zero_copy=False)), 1.0),
+                # the default: replicas serve the version's object in place (pointer swap)
                 "object_store": (ObjectStoreTransport(serving, sender, ObjectStoreSync()), 1.0),
                 "object_store_delta": (ObjectStoreTransport(
                     serving, sender, ObjectStoreSync(delta=True)), args.changed),
@@ -231,6 +237,7 @@ def main() -> None:
         "bench": "weight_sync", "ours": round(results["object_store"]["gbps"]["median"], 3),
         "baseline": round(base["median"], 3), "ratio": round(ratio["object_store"], 4),
         "gloo_ratio": round(ratio["gloo"], 4), "delta_ratio": round(ratio["object_store_delta"], 4),
+        "copy_ratio": round(ratio["object_store_copy"], 4),
         **{f"{k}_gbps": round(v["gbps"]["median"], 3) for k, v in results.items()},
         **{f"{k}_spread_gbps": [round(v["gbps"]["min"], 3), round(v["gbps"]["max"], 3)]
            for k, v in results.items()},

@@ -332,9 +332,14 @@ class ObjectStoreSync(_S, tag_field="transport", tag="object_store"):
     delta_max_fraction: send a full version instead when the delta, or the deltas since the
       last full version, would exceed this fraction of a full one.
     bucket_mb: tensors per checksum bucket (what one mismatch names).
+    zero_copy: a torch engine serves a full version straight out of the object store (its
+      parameters become read-only views of the version's object, swapped by pointer: no copy
+      per replica, one copy of the weights per node) instead of copying it into its own
+      parameters. Full versions only: with `delta` the replicas keep private weights.
     """
 
     delta: bool = False
+    zero_copy: bool = True
     delta_max_fraction: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.25
     bucket_mb: Annotated[float, Meta(gt=0.0)] = 64.0
 

@@ -51,6 +51,7 @@ from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.sampling import processed_logprobs, sample_rows
 from rl360.serve.engines.torch_model import LlamaRunner
+from rl360.serve.weights.packing import own_weights
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.torch")
@@ -152,6 +153,7 @@ class TorchBackend:
         # right before it (negative: shorter): the step-to-step change no swap is involved in
         self.step_changes: deque[float] = deque(maxlen=4096)
         self._last_plain: tuple[int, float] | None = None
+        self._step_end = 0.0  # perf_counter at the end of the last step
         # per in-flight swap whose step before was a plain decode step of the same rows (and no
         # row left in the step after): pause - swap - that step, the figure the bar is about
         self.swap_overs: deque[float] = deque(maxlen=4096)
@@ -352,23 +354,28 @@ class TorchBackend:
 
     def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
                       step_before: float, step_s: float, done: list[_Request],
-                      cpu_before: float, same: bool) -> None:
+                      cpu_before: float, same: bool, end_before: float) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
         rows = [r for r in self._rows + done if id(r) in before]
         if not rows:
             return
         pause = max(r.t_last - before[id(r)][0] for r in rows)
+        # from the end of the step before: a step that decoded the running rows and then
+        # prefilled new ones stamped the running rows' tokens before its prefill, which a
+        # sequence waits for with or without a swap
+        held = max(r.t_last - max(before[id(r)][0], end_before) for r in rows)
         across = max(len(r.out_ids) - before[id(r)][1] for r in rows)
         self._stats["sync_pause_max_s"] = max(self._stats["sync_pause_max_s"], pause)
         # beyond the swap and the step right after it (the engine's own hand-offs; ~0), and
         # beyond the swap and one decode step of the same rows (the one right before it)
         self._stats["sync_pause_excess_max_s"] = max(self._stats["sync_pause_excess_max_s"],
-                                                     pause - swap - step_s)
+                                                     held - swap - step_s)
         self._stats["sync_pause_over_budget_max_s"] = max(
             self._stats["sync_pause_over_budget_max_s"], pause - swap - step_before)
         if same:
             self.swap_overs.append(pause - swap - step_before)
         self.sync_log.append({"version": self._version, "swap_s": swap, "pause_s": pause,
+                              "held_s": held,
                               "step_s": step_s, "step_before_s": step_before,
                               "wait_s": wait, "rows": len(rows),
                               "steps_across": across, "same_rows": same,
@@ -405,6 +412,8 @@ class TorchBackend:
         for k, v in state.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise ValueError(f"weight update {k}: shape {tuple(v.shape)} != {tuple(own[k].shape)}")
+        if own_weights(self.model):  # the weights view a version: copy into private ones
+            own = self.model.state_dict()
         with torch.no_grad():
             for k, v in state.items():
                 own[k].copy_(torch.as_tensor(v).to(own[k].dtype))
@@ -431,6 +440,7 @@ class TorchBackend:
             before = {id(r): (r.t_last, len(r.out_ids)) for r in self._rows}
             step_before = self._stats["last_step_s"]
             cpu_before = self._stats["last_step_cpu_s"]
+            end_before = self._step_end
             # the step before compares with the step after only when it was a plain decode
             # step of the rows the step after decodes (a prefill or a finished row changes it)
             same = (self._last_plain is not None and not gone
@@ -441,7 +451,8 @@ class TorchBackend:
                 self._last_plain = None  # the step after a swap is not a control
                 done = self._one_step(gone, [])
                 self._record_pause(before, swap, t_swap - wait_from, step_before,
-                                   self._stats["last_step_s"], done, cpu_before, same)
+                                   self._stats["last_step_s"], done, cpu_before, same,
+                                   end_before)
                 return done + (self._one_step([], admit) if admit else [])
         return self._one_step(gone, admit)
 
@@ -453,6 +464,7 @@ class TorchBackend:
         self._stats["busy_s"] += dt
         self._stats["last_step_s"] = dt
         self._stats["last_step_cpu_s"] = time.thread_time() - c0
+        self._step_end = t0 + dt
         self.step_times.append(dt)
         # the control for the pause across a swap: how much one plain decode step (no row
         # admitted or dropped) takes longer than the plain decode step of the same rows before it

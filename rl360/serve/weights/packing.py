@@ -8,9 +8,15 @@ differ (int32/int64) and the new raw values there. bf16 RL steps leave ~99% of e
 bit-identical, so a delta is a few percent of a full version. Each packet carries an xxh3
 checksum per bucket (consecutive tensors of <= bucket_mb) of the state it leads to.
 
-Replica (`PackedUpdate.apply_to(model)`): copies a full version into the existing parameters
-(`copy_`, no new tensors), applies deltas in place (`index_put_` on the raw bits), then checks
-every bucket's checksum against its parameters. A mismatch (a replica that drifted or applied
+Replica (`PackedUpdate.apply_to(model)`): a full version of a sender that sends no deltas
+(`FullPacket.shareable`, the default `zero_copy`) is served straight out of the object store:
+each parameter becomes a read-only view of the version's object (`borrow_full`, a pointer swap:
+no copy, and all replicas of a node share one copy of the weights); the object stays pinned
+while a view of it lives and is released when the next version replaces them. Otherwise a full
+version is copied into the existing parameters (`copy_`), deltas are applied in place
+(`index_put_` on the raw bits), then every bucket's checksum is checked against the
+parameters. Nothing ever writes into a borrowed view: any load that writes first gives the
+model private copies again (`own_weights`). A mismatch (a replica that drifted or applied
 onto the wrong base) falls back to the full version of the chain plus its deltas, all before the
 engine serves again. The publisher keeps the chain (full base + deltas since); a replica that
 missed versions applies the deltas it lacks, or starts again from the full base.
@@ -62,6 +68,8 @@ class FullPacket:
     version: int
     arrays: list[np.ndarray]  # raw bits of each entry, in layout order
     checksums: list[int]  # per bucket ([] when the sender sends no deltas)
+    # replicas may serve these arrays as their parameters (no delta will be applied to them)
+    shareable: bool = False
 
 
 @dataclass
@@ -168,6 +176,7 @@ class WeightPacker:
     max_delta_fraction: float = 0.25
     bucket_mb: float = 64.0
     dtype: str | None = None  # the engines' dtype ("bfloat16", ...); None: as the trainer has it
+    zero_copy: bool = True  # full versions without deltas: replicas serve them in place
     layout: Layout | None = None
     prev: list[np.ndarray] | None = None
     version: int = 0
@@ -209,7 +218,8 @@ class WeightPacker:
         self.stats["full"] += 1
         # checksums guard deltas (applied onto the replica's own weights): a full version
         # overwrites every element, so plain full syncs skip the pass over the weights
-        data = FullPacket(version, arrays, bucket_checksums(layout, arrays) if self.delta else [])
+        data = FullPacket(version, arrays, bucket_checksums(layout, arrays) if self.delta else [],
+                          shareable=self.zero_copy and not self.delta)
         return Packet("full", data, layout, layout.nbytes)
 
     def _delta(self, version: int, layout: Layout, arrays: list[np.ndarray]) -> Packet | None:
@@ -293,6 +303,63 @@ def _params(model: Any, layout: Layout) -> dict[str, torch.Tensor]:
     return held
 
 
+_BORROWED = "_rl360_borrowed"  # model attribute: names of parameters that view a version
+
+
+def borrow_full(model: Any, layout: Layout, full: FullPacket) -> int:
+    """Serve `full` in place: every parameter the layout names becomes a view of the version's
+    array (a pointer swap under no_grad; the views are read-only memory, which inference
+    never writes). Entries held in another dtype than sent, or that are not parameters
+    (buffers), are copied. Returns how many parameters now view the version."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    held = model.state_dict()
+    borrowed: set[str] = set()
+    for e, arr in zip(layout.entries, full.arrays, strict=True):
+        p = named.get(e.name)
+        if p is not None and str(p.dtype) == e.dtype and p.device.type == "cpu":
+            p.data = from_raw(arr, e)
+            _touch(arr)
+            borrowed.add(e.name)
+        else:
+            _own_one(model, e.name)
+            held[e.name].copy_(from_raw(arr, e))
+    setattr(model, _BORROWED, borrowed)
+    return len(borrowed)
+
+
+_PAGE = 4096
+
+
+def _touch(arr: np.ndarray) -> None:
+    """Map the version's pages into this process now, one read per page: a page of the object
+    store this process has not mapped yet costs a minor fault on first touch (~25k for 100 MB),
+    which belongs to the swap, not to the first decode step after it."""
+    if arr.nbytes:
+        arr.reshape(-1).view(np.uint8)[::_PAGE].max()
+
+
+def own_weights(model: Any) -> int:
+    """Give every parameter that views a version (borrow_full) private memory again, with the
+    same values, before anything writes into the weights. Returns how many it copied."""
+    borrowed: set[str] = getattr(model, _BORROWED, set())
+    n = len(borrowed)
+    for name in list(borrowed):
+        _own_one(model, name)
+    return n
+
+
+def _own_one(model: Any, name: str) -> None:
+    borrowed: set[str] = getattr(model, _BORROWED, set())
+    if name not in borrowed:
+        return
+    p = dict(model.named_parameters(remove_duplicate=False))[name]
+    p.data = p.data.clone()
+    # a tied parameter has several names: all of them own the copy now
+    for other, q in model.named_parameters(remove_duplicate=False):
+        if q is p:
+            borrowed.discard(other)
+
+
 def _load_full(params: dict[str, torch.Tensor], layout: Layout, full: FullPacket) -> None:
     for e, arr in zip(layout.entries, full.arrays, strict=True):
         params[e.name].copy_(from_raw(arr, e))  # in place; casts if the engine's dtype differs
@@ -332,6 +399,7 @@ class PackedUpdate:
     fell_back: bool = False
     apply_s: float = 0.0  # wall and CPU (this thread) seconds of the last apply_to
     apply_cpu_s: float = 0.0
+    borrowed: int = 0  # parameters that now view the version (zero copy), 0: copied
 
     def detail(self) -> dict[str, Any]:
         """What this replica fetched for the version (reported to the publisher)."""
@@ -340,7 +408,7 @@ class PackedUpdate:
                                                                      strict=True))
         return {"full": self.full is not None, "deltas": len(self.deltas), "bytes": moved,
                 "fell_back": self.fell_back, "apply_s": self.apply_s,
-                "apply_cpu_s": self.apply_cpu_s}
+                "apply_cpu_s": self.apply_cpu_s, "borrowed": self.borrowed}
 
     def apply_to(self, model: Any) -> None:
         """Load into `model`'s parameters in place (call between batches, under the engine's
@@ -348,6 +416,12 @@ class PackedUpdate:
         t0, c0 = time.perf_counter(), time.thread_time()
         params = _params(model, self.layout)
         with torch.no_grad():
+            if self.full is not None and self.full.shareable and not self.deltas:
+                self.borrowed = borrow_full(model, self.layout, self.full)
+                self.apply_s, self.apply_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+                return
+            if own_weights(model):  # about to write into the weights: not into a version
+                params = _params(model, self.layout)
             bad = self._apply(params, self.full, self.deltas)
             if bad and self.full is None and self.fetch_full is not None:
                 log.warning("weight version %d: checksum mismatch in buckets %s after deltas; "

@@ -137,7 +137,7 @@ class ObjectStoreTransport:
         self.sender = sender.workers[0] if hasattr(sender, "workers") else sender
         o = options or ObjectStoreSync()
         self.packer = {"delta": o.delta and inplace, "max_delta_fraction": o.delta_max_fraction,
-                       "bucket_mb": o.bucket_mb, "dtype": dtype}
+                       "bucket_mb": o.bucket_mb, "dtype": dtype, "zero_copy": o.zero_copy}
         self.last: dict[str, Any] = {}  # the last version's kind, bytes per replica, timings
 
     def publish(self, version: int) -> bool:

@@ -14,6 +14,7 @@ from rl360.serve.weights.packing import (
     PackedUpdate,
     Packet,
     WeightPacker,
+    own_weights,
     plan_fetch,
 )
 
@@ -145,6 +146,70 @@ def test_versions_only_move_forward() -> None:
     packer.pack(2, _trainer_state())
     with pytest.raises(ValueError, match="not after"):
         packer.pack(2, _trainer_state())
+
+
+def _as_object_store(p: Packet) -> Packet:
+    """The arrays as a replica gets them out of the object store: a copy (the put), in
+    read-only memory."""
+    p.data.arrays = [a.copy() for a in p.data.arrays]  # type: ignore[union-attr]
+    for a in p.data.arrays:  # type: ignore[union-attr]
+        a.flags.writeable = False
+    return p
+
+
+def test_full_versions_are_served_in_place_and_never_written() -> None:
+    """zero_copy (the default, no deltas): the replica's parameters become views of the
+    version's arrays (a pointer swap); a later load that writes gives them private memory
+    first, so the version's bytes (shared by every replica of a node) never change."""
+    state = _trainer_state()
+    v1 = _as_object_store(WeightPacker(dtype="float32").pack(1, state))
+    assert v1.data.shareable  # type: ignore[union-attr]
+    kept = [a.copy() for a in v1.data.arrays]  # type: ignore[union-attr]
+    model = Net(torch.float32)
+    up = PackedUpdate(1, v1.layout, v1.data, [])  # type: ignore[arg-type]
+    up.apply_to(model)
+    assert up.borrowed == 3 and up.detail()["borrowed"] == 3  # the buffer "steps" was copied
+    arrays = dict(zip((e.name for e in v1.layout.entries), v1.data.arrays, strict=True))  # type: ignore[union-attr]
+    assert model.a.weight.data_ptr() == arrays["a.weight"].ctypes.data
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    ref, x = Net(torch.float32), torch.randn(2, 64)
+    ref.load_state_dict(state)
+    assert torch.equal(model.b(model.a(x)), ref.b(ref.a(x)))  # it serves from the views
+
+    _step(state, 1e-3, 2)  # a copied version (zero_copy off) writes: into private memory
+    v2 = WeightPacker(dtype="float32", zero_copy=False).pack(2, state)
+    assert not v2.data.shareable  # type: ignore[union-attr]
+    PackedUpdate(2, v2.layout, v2.data, []).apply_to(model)  # type: ignore[arg-type]
+    assert model.a.weight.data_ptr() != arrays["a.weight"].ctypes.data
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert all((a == k).all() for a, k in zip(v1.data.arrays, kept, strict=True))  # type: ignore[union-attr]
+    assert own_weights(model) == 0  # nothing borrowed any more
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_tied_weights_stay_tied_when_borrowed_and_owned() -> None:
+    model = Tied()
+    state = {k: v.clone() + 1.0 for k, v in model.state_dict().items()}
+    p = _as_object_store(WeightPacker().pack(1, state))
+    PackedUpdate(1, p.layout, p.data, []).apply_to(model)  # type: ignore[arg-type]
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model.emb.weight, state["emb.weight"])
+    ptr = model.emb.weight.data_ptr()
+    assert own_weights(model) >= 1
+    assert model.head.weight is model.emb.weight and model.emb.weight.data_ptr() != ptr
+    assert torch.equal(model.head.weight, state["emb.weight"])
+    with torch.no_grad():
+        model.emb.weight.add_(1.0)  # private now: the version's bytes stay
+    assert all(torch.equal(torch.from_numpy(a.copy()).view(torch.float32).view(10, 8),
+                           state["emb.weight"])
+               for a in p.data.arrays)  # type: ignore[union-attr]
 
 
 def test_plan_fetch() -> None:

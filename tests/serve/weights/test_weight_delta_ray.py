@@ -56,3 +56,34 @@ def test_object_store_full_then_delta_versions(ray_cluster, tiny_dir: Path) -> N
             assert not ray.get(pub.publish_packed.remote(4, stale))
         finally:
             trainer.shutdown()
+
+
+@pytest.mark.ray
+def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """zero_copy (the default): the replica's parameters become views of the version's object
+    (the applied report counts them); a version sent with zero_copy off is copied into
+    private parameters again (nothing borrowed), in the replica's own process."""
+    import ray
+
+    from rl360.actors.trainer_group import TrainerGroup
+    from rl360.recipe import ObjectStoreSync, TrainerSection
+    from rl360.serve.weights.transports import ObjectStoreTransport
+
+    with serving(["engine.replicas=1"]) as handles:
+        # a sender keeps its first packer settings: one trainer per setting, one at a time
+        pub = handles.publisher
+        borrowed = []
+        for versions, zero_copy in (((1, 2), True), ((3,), False)):
+            trainer = TrainerGroup(TrainerSection(num_cpus=0), tiny_dir)
+            try:
+                transport = ObjectStoreTransport(handles, trainer,
+                                                 ObjectStoreSync(zero_copy=zero_copy))
+                for version in versions:
+                    assert transport.publish(version)
+                    assert ray.get(pub.wait_applied.remote(version, 1, 120.0)) == version
+                    [fetched] = ray.get(pub.status.remote())["fetched"].values()
+                    assert fetched["version"] == version and fetched["full"]
+                    borrowed.append(fetched["borrowed"])
+            finally:
+                trainer.shutdown()
+        assert borrowed[0] == borrowed[1] > 0 and borrowed[2] == 0
