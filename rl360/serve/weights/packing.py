@@ -312,19 +312,23 @@ def borrow_full(model: Any, layout: Layout, full: FullPacket) -> int:
     never writes). Entries held in another dtype than sent, or that are not parameters
     (buffers), are copied. Returns how many parameters now view the version."""
     named = dict(model.named_parameters(remove_duplicate=False))
-    held = model.state_dict()
-    borrowed: set[str] = set()
-    for e, arr in zip(layout.entries, full.arrays, strict=True):
-        p = named.get(e.name)
-        if p is not None and str(p.dtype) == e.dtype and p.device.type == "cpu":
-            p.data = from_raw(arr, e)
-            _touch(arr)
-            borrowed.add(e.name)
-        else:
-            _own_one(model, e.name)
+    pairs = list(zip(layout.entries, full.arrays, strict=True))
+    fits = [e.name in named and str(named[e.name].dtype) == e.dtype
+            and named[e.name].device.type == "cpu" for e, _ in pairs]
+    shared = [pair for pair, ok in zip(pairs, fits, strict=True) if ok]
+    copied = [pair for pair, ok in zip(pairs, fits, strict=True) if not ok]
+    if copied:  # written in place: private memory first (a state_dict taken after that)
+        _own(model, [e.name for e, _ in copied])
+        held = model.state_dict()
+        for e, arr in copied:
             held[e.name].copy_(from_raw(arr, e))
+    borrowed: set[str] = getattr(model, _BORROWED, set())
+    for e, arr in shared:
+        named[e.name].data = from_raw(arr, e)
+        _touch(arr)
+        borrowed.add(e.name)
     setattr(model, _BORROWED, borrowed)
-    return len(borrowed)
+    return len(shared)
 
 
 _PAGE = 4096
@@ -343,21 +347,26 @@ def own_weights(model: Any) -> int:
     same values, before anything writes into the weights. Returns how many it copied."""
     borrowed: set[str] = getattr(model, _BORROWED, set())
     n = len(borrowed)
-    for name in list(borrowed):
-        _own_one(model, name)
+    _own(model, list(borrowed))
     return n
 
 
-def _own_one(model: Any, name: str) -> None:
+def _own(model: Any, names: list[str]) -> None:
+    """Private memory for the named parameters that view a version (a tied parameter once,
+    under all of its names)."""
     borrowed: set[str] = getattr(model, _BORROWED, set())
-    if name not in borrowed:
+    want = {n for n in names if n in borrowed}
+    if not want:
         return
-    p = dict(model.named_parameters(remove_duplicate=False))[name]
-    p.data = p.data.clone()
-    # a tied parameter has several names: all of them own the copy now
-    for other, q in model.named_parameters(remove_duplicate=False):
-        if q is p:
-            borrowed.discard(other)
+    owned: set[int] = set()
+    named = list(model.named_parameters(remove_duplicate=False))
+    for name, p in named:
+        if name in want and id(p) not in owned:
+            p.data = p.data.clone()
+            owned.add(id(p))
+    for name, p in named:  # every name of a parameter that owns its memory now
+        if id(p) in owned:
+            borrowed.discard(name)
 
 
 def _load_full(params: dict[str, torch.Tensor], layout: Layout, full: FullPacket) -> None:

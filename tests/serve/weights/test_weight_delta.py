@@ -186,6 +186,24 @@ def test_full_versions_are_served_in_place_and_never_written() -> None:
     assert own_weights(model) == 0  # nothing borrowed any more
 
 
+def test_a_version_in_another_dtype_is_copied_into_private_memory() -> None:
+    """Entries the replica holds in another dtype than sent cannot be views: they are cast
+    into the parameters, and a parameter that viewed the version before gets its own memory
+    first, so the older version's bytes stay as they were."""
+    state = _trainer_state()
+    v1 = _as_object_store(WeightPacker(dtype="float32").pack(1, state))
+    kept = [a.copy() for a in v1.data.arrays]  # type: ignore[union-attr]
+    model = Net(torch.float32)
+    PackedUpdate(1, v1.layout, v1.data, []).apply_to(model)  # type: ignore[arg-type]
+    _step(state, 1e-2, 2)
+    v2 = _as_object_store(WeightPacker(dtype="bfloat16").pack(2, state))
+    up = PackedUpdate(2, v2.layout, v2.data, [])  # type: ignore[arg-type]
+    up.apply_to(model)
+    assert up.borrowed == 0 and own_weights(model) == 0
+    assert torch.equal(model.a.weight, state["a.weight"].to(torch.bfloat16).float())
+    assert all((a == k).all() for a, k in zip(v1.data.arrays, kept, strict=True))  # type: ignore[union-attr]
+
+
 class Tied(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
