@@ -260,8 +260,8 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
            "change_p95": max((r.get("engine_step_change_p95_s", 0.0) for r in rows), default=0.0),
            # per swap whose step before was a plain step of the same rows: pause - swap - that
            # step, the run's median and worst (the engine keeps them over the whole run)
-           "over_med": rows[-1].get("engine_sync_over_median_s", float("nan")),
-           "over_max": rows[-1].get("engine_sync_over_max_s", float("nan")),
+           "over_med": rows[-1].get("engine_sync_over_median_s", nan),
+           "over_max": rows[-1].get("engine_sync_over_max_s", nan),
            "staleness": max(r["staleness_max"] for r in rows), "reward": kept[-1]["reward_mean"],
            "engine_idle": statistics.median(r.get("engine_idle_frac", 0.0) for r in kept),
            "trainer_step": statistics.median(r.get("trainer_step_s") or 0.0 for r in kept),
@@ -360,11 +360,10 @@ def pause_verdict(runs: list[dict]) -> str:
     (max v) is slower than the worst plain step-to-step change of the same run (the control).
     A swap that waited for a drain, or slowed the next step (Ray's nice 15 did: +15-30 ms a
     swap), fails the first; a rare stall at a swap fails the second."""
-    ok = [r for r in runs if r.get("over_med", nan) == r.get("over_med", nan)]
-    if not ok or len(ok) < len(runs):
-        return "not measured"
+    if not runs or any(r.get("over_med", nan) != r.get("over_med", nan) for r in runs):
+        return "not measured"  # runs recorded before the engine kept these figures
     good = all(r["over_med"] <= TYPICAL_SHARE * r["decode"] and r["over_max"] <= r["change_max"]
-               for r in ok)
+               for r in runs)
     return "below" if good else "NOT below"
 
 

@@ -426,12 +426,11 @@ class PackedUpdate:
         params = _params(model, self.layout)
         with torch.no_grad():
             if self.full is not None and self.full.shareable and not self.deltas:
-                self.borrowed = borrow_full(model, self.layout, self.full)
-                self.apply_s, self.apply_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
-                return
-            if own_weights(model):  # about to write into the weights: not into a version
-                params = _params(model, self.layout)
-            bad = self._apply(params, self.full, self.deltas)
+                self.borrowed, bad = borrow_full(model, self.layout, self.full), []
+            else:
+                if own_weights(model):  # about to write into the weights: not into a version
+                    params = _params(model, self.layout)
+                bad = self._apply(params, self.full, self.deltas)
             if bad and self.full is None and self.fetch_full is not None:
                 log.warning("weight version %d: checksum mismatch in buckets %s after deltas; "
                             "loading the full version", self.version, bad[:5])
