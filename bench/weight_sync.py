@@ -1,8 +1,9 @@
 """Weight sync: publish a ~100 MB state dict to 2 torch engine replicas and time it until both
 serve the new version, for each transport: the object store with full versions copied into
-each replica's parameters (`zero_copy = false`), the object store with full versions served
-in place (the default: parameters become views of the version's object), the object store
-with delta versions, and the gloo collective.
+each replica's parameters (`zero_copy = false`), full versions served in place out of a fresh
+object-store object each (`slots = 0`), full versions written into a weight slot and served
+in place (the default: shared memory the sender maps once and rewrites, parameters become
+views of it), the object store with delta versions, and the gloo collective.
 
     .venv/bin/python bench/weight_sync.py [--runs 3] [--changed 0.01]
 
@@ -71,12 +72,13 @@ class StateSender:
 
     def pack_weights(self, version: int, packer: dict[str, Any],
                      publisher: Any = None) -> dict[str, Any]:
-        from rl360.serve.weights.packing import WeightPacker, put_packet
+        from rl360.serve.weights.packing import make_sender, put_packet
 
         key = json.dumps(packer, sort_keys=True)
         if key not in self.packers:
-            self.packers[key] = WeightPacker(**packer)
-        return put_packet(self.packers[key].pack(version, self.state), publisher)
+            self.packers[key] = make_sender(packer)
+        weights, slots = self.packers[key]
+        return put_packet(weights.pack(version, self.state), publisher, slots)
 
     def weight_spec(self):  # type: ignore[no-untyped-def]
         from rl360.serve.weights.transports import tensor_spec
@@ -147,9 +149,10 @@ def breakdown(sender: dict[str, Any], replicas: dict[str, dict[str, Any]], total
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=2,
+    ap.add_argument("--warmup", type=int, default=4,
                     help="untimed versions per transport first (the object store allocator "
-                         "alternates between two regions: the version out and the new one)")
+                         "alternates between two regions: the version out and the new one; "
+                         "the sender makes its 3 weight slots in the first 3 versions)")
     ap.add_argument("--changed", type=float, default=0.01,
                     help="fraction of elements a delta version changes")
     args = ap.parse_args()
@@ -180,7 +183,10 @@ def main() -> None:
                 # zero_copy off: each replica copies the version into its own parameters
                 "object_store_copy": (ObjectStoreTransport(
                     serving, sender, ObjectStoreSync(zero_copy=False)), 1.0),
-                # the default: replicas serve the version's object in place (pointer swap)
+                # served in place out of a fresh object-store object per version (slots off)
+                "object_store_put": (ObjectStoreTransport(
+                    serving, sender, ObjectStoreSync(slots=0)), 1.0),
+                # the default: written into a weight slot, served in place (pointer swap)
                 "object_store": (ObjectStoreTransport(serving, sender, ObjectStoreSync()), 1.0),
                 "object_store_delta": (ObjectStoreTransport(
                     serving, sender, ObjectStoreSync(delta=True)), args.changed),
@@ -238,6 +244,7 @@ def main() -> None:
         "baseline": round(base["median"], 3), "ratio": round(ratio["object_store"], 4),
         "gloo_ratio": round(ratio["gloo"], 4), "delta_ratio": round(ratio["object_store_delta"], 4),
         "copy_ratio": round(ratio["object_store_copy"], 4),
+        "put_ratio": round(ratio["object_store_put"], 4),
         **{f"{k}_gbps": round(v["gbps"]["median"], 3) for k, v in results.items()},
         **{f"{k}_spread_gbps": [round(v["gbps"]["min"], 3), round(v["gbps"]["max"], 3)]
            for k, v in results.items()},

@@ -336,10 +336,16 @@ class ObjectStoreSync(_S, tag_field="transport", tag="object_store"):
       parameters become read-only views of the version's object, swapped by pointer: no copy
       per replica, one copy of the weights per node) instead of copying it into its own
       parameters. Full versions only: with `delta` the replicas keep private weights.
+    slots: with `zero_copy`, replicas on the sender's node get full versions through up to
+      this many shared-memory buffers that the sender maps once and rewrites in place
+      (rl360.serve.weights.slots): one memcpy a version instead of an object-store put into
+      pages never touched before (a page fault per 4 KiB). Versions go into the object store
+      when every slot is in use or a replica cannot map them. 0: object store only.
     """
 
     delta: bool = False
     zero_copy: bool = True
+    slots: Annotated[int, Meta(ge=0, le=16)] = 3
     delta_max_fraction: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.25
     bucket_mb: Annotated[float, Meta(gt=0.0)] = 64.0
 

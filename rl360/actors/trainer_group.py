@@ -31,7 +31,7 @@ from rl360.policies.trainer_backends import build_trainer
 from rl360.policies.trainer_torch import TorchTrainer
 from rl360.recipe import TrainerSection
 from rl360.serve.weights.nccl import WeightSender, gpu_uuid
-from rl360.serve.weights.packing import WeightPacker, put_packet
+from rl360.serve.weights.packing import make_sender, put_packet
 from rl360.serve.weights.transports import GlooGroup, free_port, tensor_spec
 from rl360.types import Batch, TrainSample
 
@@ -147,12 +147,12 @@ class TrainerWorker:
                      publisher: Any = None) -> dict[str, Any]:
         """Put `version` into the object store as one packed object, full or a delta against
         the version before (rl360.serve.weights.packing), and publish it to `publisher` when
-        given; returns its metadata. `packer`: WeightPacker's settings (the first call's are
-        kept)."""
+        given; returns its metadata. `packer`: WeightPacker's settings and "slots" (the first
+        call's are kept; full versions served in place go through weight slots)."""
         if getattr(self, "_packer", None) is None:
-            self._packer = WeightPacker(**packer)
+            self._packer, self._slots = make_sender(packer)
         state = self._sync_state()
-        meta = put_packet(self._packer.pack(version, state), publisher)
+        meta = put_packet(self._packer.pack(version, state), publisher, self._slots)
         if publisher is not None and not meta["published"] and meta.get("kind") == "delta":
             # the publisher lost the chain the delta extends (it restarted): send it full
             meta = put_packet(self._packer.repack_full(version, state), publisher)

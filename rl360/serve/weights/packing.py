@@ -40,6 +40,8 @@ import numpy as np
 import torch
 import xxhash
 
+from rl360.serve.weights.slots import SlotReader, SlotWriter
+
 log = logging.getLogger("rl360.weights")
 
 _RAW_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -70,6 +72,7 @@ class FullPacket:
     checksums: list[int]  # per bucket ([] when the sender sends no deltas)
     # replicas may serve these arrays as their parameters (no delta will be applied to them)
     shareable: bool = False
+    mapped: bool = False  # replica side: its pages are mapped in this process already
 
 
 @dataclass
@@ -249,6 +252,15 @@ class WeightPacker:
         return Packet("delta", data, layout, size)
 
 
+def make_sender(settings: Mapping[str, Any]) -> tuple[WeightPacker, SlotWriter | None]:
+    """The sender side of a transport's packer settings: WeightPacker's fields, plus "slots"
+    (how many weight slots full versions served in place may use; 0: none)."""
+    kw = dict(settings)
+    n = int(kw.pop("slots", 0))
+    packer = WeightPacker(**kw)
+    return packer, (SlotWriter(n) if n > 0 and packer.zero_copy and not packer.delta else None)
+
+
 def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     """Positions where `new` and `old` (same-width integer bits) differ. Compares 8-byte words
     first (a bf16 tensor: 4 elements per comparison, 4x less mask to scan), then the elements
@@ -266,16 +278,33 @@ def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:
     return pos
 
 
-def put_packet(packet: Packet, publisher: Any = None) -> dict[str, Any]:
+def put_packet(packet: Packet, publisher: Any = None, slots: SlotWriter | None = None
+               ) -> dict[str, Any]:
     """Put the packet's data into the object store (one object: Ray writes the numpy arrays
     out-of-band, back to back); returns the publisher's metadata with the ref wrapped in a
     list so Ray passes it on unresolved. With `publisher` (the WeightPublisher handle) the
     sender announces the version itself, one hop less than through the driver, and returns
     the metadata without the ref and with "published" and the seconds the put took (put_s,
-    put_cpu_s: this process's CPU, the object store write)."""
+    put_cpu_s: this process's CPU, the object store write). With `slots`, a version the
+    replicas may serve in place is written into a free weight slot instead (rl360.serve.weights.
+    slots; "slot" in the metadata), and into the object store when none is free."""
     import ray
 
     t0, c0 = time.perf_counter(), time.process_time()
+    if (slots is not None and publisher is not None and isinstance(packet.data, FullPacket)
+            and packet.data.shareable):
+        reserved = slots.reserve(packet.data.arrays)
+        if reserved is not None:
+            slot, desc = reserved
+            meta = {**packet.meta(), "ref": [desc]}
+            slots.fill(slot, packet.data.arrays, packet.data.version)
+            timing = {"put_s": time.perf_counter() - t0, "put_cpu_s": time.process_time() - c0}
+            answer = ray.get(publisher.publish_slot.remote(packet.data.version, meta))
+            if slots.published(answer, desc["slot"]):
+                return {**{k: v for k, v in meta.items() if k != "ref"}, "published": True,
+                        "slot": desc["slot"], **timing}
+            log.info("weight version %d: slot refused (%s); through the object store",
+                     packet.data.version, answer.get("why") or answer.get("stop"))
     meta = {**packet.meta(), "ref": [ray.put(packet.data)]}
     timing = {"put_s": time.perf_counter() - t0, "put_cpu_s": time.process_time() - c0}
     if publisher is None:
@@ -325,7 +354,8 @@ def borrow_full(model: Any, layout: Layout, full: FullPacket) -> int:
     borrowed: set[str] = getattr(model, _BORROWED, set())
     for e, arr in shared:
         named[e.name].data = from_raw(arr, e)
-        _touch(arr)
+        if not full.mapped:
+            _touch(arr)
         borrowed.add(e.name)
     setattr(model, _BORROWED, borrowed)
     return len(shared)
@@ -406,6 +436,7 @@ class PackedUpdate:
     deltas: list[DeltaPacket]
     fetch_full: Any = None  # () -> (FullPacket, [DeltaPacket]) of the whole chain
     fell_back: bool = False
+    slot: str = ""  # the weight slot the full version came in ("": an object-store object)
     apply_s: float = 0.0  # wall and CPU (this thread) seconds of the last apply_to
     apply_cpu_s: float = 0.0
     borrowed: int = 0  # parameters that now view the version (zero copy), 0: copied
@@ -476,8 +507,23 @@ def can_load_in_place(backend: Any) -> bool:
     return isinstance(getattr(backend, "model", None), torch.nn.Module)
 
 
-async def fetch_update(chain: dict[str, Any], have: int, inplace: bool) -> PackedUpdate:
-    """Fetch (zero-copy on the same node) what a replica serving `have` needs of `chain`."""
+async def fetch_update(chain: dict[str, Any], have: int, inplace: bool,
+                       slots: SlotReader | None = None) -> PackedUpdate:
+    """Fetch (zero-copy on the same node) what a replica serving `have` needs of `chain`. A
+    full version in a weight slot (a descriptor instead of a ref) is mapped through `slots`
+    (OSError: this process cannot map it)."""
+    layout = msgspec.convert(chain["layout"], Layout)
+    if isinstance(chain["full"], dict):  # a weight slot: full versions only, never deltas
+        reader = slots if slots is not None else SlotReader()
+        arrays, mapped = reader.arrays(
+            chain["full"], [np.dtype(f"i{_itemsize(e.dtype)}") if _itemsize(e.dtype) > 1
+                            else np.dtype(np.uint8) for e in layout.entries],
+            [e.numel for e in layout.entries])
+        if reader.stamp(chain["full"]) != int(chain["base"]):  # rewritten since: a bug
+            raise OSError(f"weight version {chain['base']}: its slot holds version "
+                          f"{reader.stamp(chain['full'])}")
+        full = FullPacket(int(chain["base"]), arrays, [], shareable=True, mapped=mapped)
+        return PackedUpdate(int(chain["version"]), layout, full, [], slot=chain["full"]["slot"])
     need_full, delta_refs = plan_fetch(chain, have, inplace)
     refs = ([chain["full"]] if need_full else []) + delta_refs
     got = list(await asyncio.gather(*refs))
@@ -489,5 +535,4 @@ async def fetch_update(chain: dict[str, Any], have: int, inplace: bool) -> Packe
         whole = ray.get([chain["full"], *(ref for _, ref in chain["deltas"])])
         return whole[0], whole[1:]
 
-    return PackedUpdate(int(chain["version"]), msgspec.convert(chain["layout"], Layout), full,
-                        got, fetch_full)
+    return PackedUpdate(int(chain["version"]), layout, full, got, fetch_full)

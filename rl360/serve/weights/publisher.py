@@ -14,10 +14,15 @@ import asyncio as aio
 import contextlib
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("rl360.weights")
+
+# a publisher that Ray restarted knows nobody's weight slot until every replica has reported
+# once (each does every poll, ~2 s): it takes no version in a slot for this long
+SLOT_GRACE_S = 10.0
 
 
 class WeightPublisher:
@@ -37,6 +42,18 @@ class WeightPublisher:
         self._next_rank = 1
         self.checksums: dict[int, dict[str, dict[str, Any]]] = {}  # version -> replica -> report
         self.details: dict[str, dict[str, Any]] = {}  # replica -> its last packed fetch
+        # weight slots (rl360.serve.weights.slots): the slot each replica serves, the slot of
+        # the version handed to it and not yet applied, and why slots are off ("" while on)
+        self.serving: dict[str, str] = {}
+        self.loading: dict[str, tuple[int, str]] = {}
+        self.no_slots = ""
+        self._grace_until = 0.0
+        with contextlib.suppress(Exception), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # outside an actor (tests): never restarted
+            import ray
+
+            if ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed:
+                self._grace_until = time.monotonic() + SLOT_GRACE_S
 
     async def publish(self, version: int, wrapped_ref: list[Any] | dict[str, Any]) -> bool:
         if version <= self.version:
@@ -68,6 +85,40 @@ class WeightPublisher:
             chain = {**chain, "deltas": [*chain["deltas"], (version, meta["ref"][0])]}
         chain["version"] = version
         return await self.publish(version, chain)
+
+    def _slot_of_newest(self) -> str:
+        full = self.refs.get("full") if isinstance(self.refs, dict) else None
+        return str(full["slot"]) if isinstance(full, dict) else ""
+
+    def claimed(self) -> set[str]:
+        """Weight slots that must not be rewritten: served by a replica, handed to one that
+        has not applied it yet, or holding the newest version (about to be handed out)."""
+        out = {*self.serving.values(), *(s for _, s in self.loading.values()),
+               self._slot_of_newest()}
+        out.discard("")
+        return out
+
+    async def publish_slot(self, version: int, meta: dict[str, Any]) -> dict[str, Any]:
+        """A full version the sender wrote into a weight slot (meta["ref"] = [its descriptor]).
+        Answers {"ok", "busy": the slots claimed now} ("why" when refused; "stop" when a
+        replica cannot map slots: the sender stops using them)."""
+        slot = str(meta["ref"][0]["slot"])
+        if self.no_slots:
+            return {"ok": False, "stop": self.no_slots}
+        if time.monotonic() < self._grace_until:
+            return {"ok": False, "why": "the publisher restarted and is learning the claims"}
+        if slot in self.claimed():  # the sender's rule keeps this from happening: a bug
+            log.error("weight version %d: slot %s is claimed (%s); refused", version,
+                      slot[:8], sorted(self.claimed()))
+            return {"ok": False, "why": f"slot {slot[:8]} is claimed"}
+        ok = await self.publish_packed(version, meta)
+        return {"ok": ok, "busy": sorted(self.claimed())}
+
+    async def slot_unusable(self, replica: str, reason: str) -> None:
+        """A replica could not map a weight slot: versions go through the object store."""
+        if not self.no_slots:
+            log.warning("weight slots off: replica %s cannot map them (%s)", replica, reason)
+        self.no_slots = f"{replica}: {reason}"
 
     async def publish_collective(self, version: int, payload: dict[str, Any]) -> bool:
         """Announce a version sent over a collective group (see rl360.serve.weights.transports)."""
@@ -111,12 +162,17 @@ class WeightPublisher:
                                f"registered for weight sync within {timeout_s:.0f}s")
         return dict(self.ranks)
 
-    async def wait_newer(self, have: int, timeout_s: float) -> tuple[int, Any]:
+    async def wait_newer(self, have: int, timeout_s: float, replica: str = "") -> tuple[int, Any]:
+        """The newest version once it is newer than `have` (or after `timeout_s`). A version
+        in a weight slot handed to `replica` claims that slot until it applies a newer one."""
         if self.version <= have:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except TimeoutError:
                 pass
+        slot = self._slot_of_newest()
+        if replica and slot and self.version > have:
+            self.loading[replica] = (self.version, slot)
         return self.version, self.refs
 
     async def report_applied(self, replica: str, version: int,
@@ -127,6 +183,9 @@ class WeightPublisher:
         self.applied[replica] = (version, time.time() - self.published_at)
         if detail is not None:
             self.details[replica] = {"version": version, **detail}
+            self.serving[replica] = str(detail.get("slot", ""))
+        if self.loading.get(replica, (version + 1, ""))[0] <= version:
+            del self.loading[replica]
         self._notify()
 
     async def wait_applied(self, version: int, replicas: int, timeout_s: float) -> int:
@@ -155,17 +214,21 @@ class WeightPublisher:
                 await asyncio.wait_for(self._applied_changed.wait(), remaining)
         return True
 
-    async def report_stats(self, replica: str, stats: dict[str, Any], version: int = 0) -> None:
-        """A replica's health every poll, with the version it serves: a restarted publisher
-        learns what every replica serves again within one poll."""
+    async def report_stats(self, replica: str, stats: dict[str, Any], version: int = 0,
+                           slot: str | None = None) -> None:
+        """A replica's health every poll, with the version (and weight slot) it serves: a
+        restarted publisher learns what every replica serves again within one poll."""
         self.engine_stats[replica] = stats
+        if slot is not None:
+            self.serving[replica] = slot
         if version > self.applied.get(replica, (0, 0.0))[0]:
             self.applied[replica] = (version, 0.0)
             self._notify()
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied),
-                "engines": dict(self.engine_stats), "fetched": dict(self.details)}
+                "engines": dict(self.engine_stats), "fetched": dict(self.details),
+                "slots": {"claimed": sorted(self.claimed()), "off": self.no_slots}}
 
 
 async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0,
@@ -178,15 +241,19 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     # only hands out refs) does not spend seconds of start-up importing it
     from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
     from rl360.serve.weights.packing import can_load_in_place, fetch_update
+    from rl360.serve.weights.slots import SlotReader
     from rl360.serve.weights.transports import GlooGroup
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None
     have = backend.version
     first = True
+    slots = SlotReader()
+    serving_slot = ""  # the weight slot this replica's parameters view ("" none)
     while True:
-        await publisher.report_stats.remote(replica, backend.health(), have)
-        version, payload = await publisher.wait_newer.remote(have, 0.0 if first else poll_s)
+        await publisher.report_stats.remote(replica, backend.health(), have, serving_slot)
+        version, payload = await publisher.wait_newer.remote(have, 0.0 if first else poll_s,
+                                                             replica)
         first = False
         if version <= have or not payload:
             if caught_up is not None:
@@ -195,7 +262,11 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
         update = None
         t0 = time.perf_counter()
         if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store
-            update = await fetch_update(payload, have, can_load_in_place(backend))
+            try:
+                update = await fetch_update(payload, have, can_load_in_place(backend), slots)
+            except OSError as e:  # a weight slot this process cannot map (or a bad stamp)
+                await publisher.slot_unusable.remote(replica, str(e))
+                continue
             state = update if can_load_in_place(backend) else update.state_dict()
         elif isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
 
@@ -216,6 +287,8 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
                 sums = await engine_checksums(backend, payload, state)
                 await publisher.report_checksums.remote(replica, version, sums)
             detail = update.detail() if update is not None else {}
+            serving_slot = update.slot if update is not None and update.borrowed else ""
+            detail["slot"] = serving_slot
             # where this replica's share of the sync went: fetching / receiving the version,
             # then queueing for and running the engine's load (apply_s, apply_cpu_s inside)
             detail |= {"fetch_s": t1 - t0, "update_s": time.perf_counter() - t1}

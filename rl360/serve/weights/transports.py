@@ -137,7 +137,8 @@ class ObjectStoreTransport:
         self.sender = sender.workers[0] if hasattr(sender, "workers") else sender
         o = options or ObjectStoreSync()
         self.packer = {"delta": o.delta and inplace, "max_delta_fraction": o.delta_max_fraction,
-                       "bucket_mb": o.bucket_mb, "dtype": dtype, "zero_copy": o.zero_copy}
+                       "bucket_mb": o.bucket_mb, "dtype": dtype, "zero_copy": o.zero_copy,
+                       "slots": o.slots}
         self.last: dict[str, Any] = {}  # the last version's kind, bytes per replica, timings
 
     def publish(self, version: int) -> bool:

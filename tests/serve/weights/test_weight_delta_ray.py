@@ -60,9 +60,10 @@ def test_object_store_full_then_delta_versions(ray_cluster, tiny_dir: Path) -> N
 
 @pytest.mark.ray
 def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    """zero_copy (the default): the replica's parameters become views of the version's object
-    (the applied report counts them); a version sent with zero_copy off is copied into
-    private parameters again (nothing borrowed), in the replica's own process."""
+    """zero_copy (the default): the replica's parameters become views of the version, which
+    comes in a weight slot (the applied report counts them and names the slot; with slots
+    off, an object-store object); a version sent with zero_copy off is copied into private
+    parameters again (nothing borrowed), in the replica's own process."""
     import ray
 
     from rl360.actors.trainer_group import TrainerGroup
@@ -72,18 +73,30 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
     with serving(["engine.replicas=1"]) as handles:
         # a sender keeps its first packer settings: one trainer per setting, one at a time
         pub = handles.publisher
-        borrowed = []
-        for versions, zero_copy in (((1, 2), True), ((3,), False)):
+        borrowed, slots = [], []
+        for versions, sync in (((1, 2, 3, 4, 5), ObjectStoreSync()),
+                               ((6,), ObjectStoreSync(slots=0)),
+                               ((7,), ObjectStoreSync(zero_copy=False))):
             trainer = TrainerGroup(TrainerSection(num_cpus=0), tiny_dir)
             try:
-                transport = ObjectStoreTransport(handles, trainer,
-                                                 ObjectStoreSync(zero_copy=zero_copy))
+                transport = ObjectStoreTransport(handles, trainer, sync)
                 for version in versions:
                     assert transport.publish(version)
                     assert ray.get(pub.wait_applied.remote(version, 1, 120.0)) == version
-                    [fetched] = ray.get(pub.status.remote())["fetched"].values()
+                    status = ray.get(pub.status.remote())
+                    [fetched] = status["fetched"].values()
                     assert fetched["version"] == version and fetched["full"]
+                    assert fetched["slot"] == transport.last.get("slot", "")
                     borrowed.append(fetched["borrowed"])
+                    slots.append(fetched["slot"])
+                    # claimed: the slot the replica serves (also the newest), nothing else
+                    assert status["slots"]["claimed"] == ([fetched["slot"]] if fetched["slot"]
+                                                          else [])
             finally:
                 trainer.shutdown()
-        assert borrowed[0] == borrowed[1] > 0 and borrowed[2] == 0
+        assert borrowed[0] > 0 and len(set(borrowed[:6])) == 1 and borrowed[6] == 0
+        # three slots in turn: at each publish the replica still serves the one before, and
+        # the one just written is the newest; the sender writes the third
+        assert all(slots[:5]) and len(set(slots[:5])) == 3
+        assert slots[0] == slots[3] and slots[1] == slots[4]
+        assert slots[5] == slots[6] == ""
