@@ -299,6 +299,9 @@ class TrainRun:
                 "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
                 "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
                 "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
+                # object store: the sender's write of the last version, and whether it went
+                # through a weight slot (1) or a fresh object-store object (0)
+                **_sync_detail(getattr(transport, "last", {}) if sync_s else {}),
                 # seconds since this process started the run (Ray, Serve, actors, steps): the
                 # x axis of `rl360 plot --x time`; a --resume starts it again from 0
                 "elapsed_s": time.monotonic() - self.t_start,
@@ -380,6 +383,12 @@ def _engine_max(engines: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> di
         if vals:
             out[f"engine_{k}"] = float(max(vals))
     return out
+
+
+def _sync_detail(last: dict[str, Any]) -> dict[str, float]:
+    if "put_s" not in last:
+        return {}
+    return {"sync_put_s": float(last["put_s"]), "sync_slot": 1.0 if last.get("slot") else 0.0}
 
 
 def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
