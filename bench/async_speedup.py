@@ -64,7 +64,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -197,6 +199,13 @@ def make_workload(d: Path, args: argparse.Namespace) -> tuple[Path, Path, list[i
     return model, tasks, stops
 
 
+def _median_known(xs: Iterable[Any]) -> float:
+    """The median of the figures a step logged (a step logs none, null, when the engine's
+    health was not reported again since the step before)."""
+    known = [float(x) for x in xs if x is not None]
+    return statistics.median(known) if known else nan
+
+
 def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: list[int],
         out: Path, idx: int, address: str) -> list[dict]:
     from rl360.launch.train_run import run_train
@@ -263,7 +272,7 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
            "over_med": rows[-1].get("engine_sync_over_median_s", nan),
            "over_max": rows[-1].get("engine_sync_over_max_s", nan),
            "staleness": max(r["staleness_max"] for r in rows), "reward": kept[-1]["reward_mean"],
-           "engine_idle": statistics.median(r.get("engine_idle_frac", 0.0) for r in kept),
+           "engine_idle": _median_known(r.get("engine_idle_frac") for r in kept),
            "trainer_step": statistics.median(r.get("trainer_step_s") or 0.0 for r in kept),
            "zero_var": sum(r.get("groups/zero_variance") or 0 for r in kept),
            "groups": sum(r.get("groups/total") or 0 for r in kept),
