@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import random
+import resource
 import statistics
 import time
 from collections import deque
@@ -138,6 +139,7 @@ class TorchBackend:
         self._stats: dict[str, Any] = {
             "batches": 0, "steps": 0, "requests": 0, "tokens": 0, "cancelled": 0,
             "busy_s": 0.0, "updates": 0, "last_step_s": 0.0, "last_step_cpu_s": 0.0,
+            "last_step_faults": 0, "last_swap_faults": 0,
             "last_swap_s": 0.0, "last_swap_cpu_s": 0.0, "last_update_wait_s": 0.0,
             "sync_pause_max_s": 0.0, "sync_pause_excess_max_s": 0.0,
             "sync_pause_over_budget_max_s": float("-inf"),
@@ -323,7 +325,7 @@ class TorchBackend:
                             u.version, self._version)
                 self._settle(u.done, False)
                 continue
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0, f0 = time.perf_counter(), time.thread_time(), _faults()
             self._stats["last_update_wait_s"] = t0 - u.arrived
             # a PackedUpdate (rl360.serve.weights.packing) loads itself in place, checked
             packed = hasattr(u.state, "apply_to")
@@ -337,6 +339,7 @@ class TorchBackend:
                 continue
             swap = time.perf_counter() - t0
             self._stats["last_swap_cpu_s"] = time.thread_time() - c0
+            self._stats["last_swap_faults"] = _faults() - f0
             took = (took or 0.0) + swap
             self._version = u.version
             self.prefix.clear()  # its K/V came from the old weights
@@ -354,7 +357,8 @@ class TorchBackend:
 
     def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
                       step_before: float, step_s: float, done: list[_Request],
-                      cpu_before: float, same: bool, end_before: float) -> None:
+                      cpu_before: float, same: bool, end_before: float,
+                      faults_before: int = 0) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
         rows = [r for r in self._rows + done if id(r) in before]
         if not rows:
@@ -384,7 +388,11 @@ class TorchBackend:
                               # on its core, or the GIL)
                               "swap_cpu_s": self._stats["last_swap_cpu_s"],
                               "step_cpu_s": self._stats["last_step_cpu_s"],
-                              "step_before_cpu_s": cpu_before})
+                              "step_before_cpu_s": cpu_before,
+                              # minor page faults the engine thread took in each span
+                              "swap_faults": self._stats["last_swap_faults"],
+                              "step_faults": self._stats["last_step_faults"],
+                              "step_before_faults": faults_before})
 
     def _finish(self, r: _Request) -> None:
         self._stats["requests"] += 1
@@ -440,6 +448,7 @@ class TorchBackend:
             before = {id(r): (r.t_last, len(r.out_ids)) for r in self._rows}
             step_before = self._stats["last_step_s"]
             cpu_before = self._stats["last_step_cpu_s"]
+            faults_before = self._stats["last_step_faults"]
             end_before = self._step_end
             # the step before compares with the step after only when it was a plain decode
             # step of the rows the step after decodes (a prefill or a finished row changes it)
@@ -452,18 +461,19 @@ class TorchBackend:
                 done = self._one_step(gone, [])
                 self._record_pause(before, swap, t_swap - wait_from, step_before,
                                    self._stats["last_step_s"], done, cpu_before, same,
-                                   end_before)
+                                   end_before, faults_before)
                 return done + (self._one_step([], admit) if admit else [])
         return self._one_step(gone, admit)
 
     def _one_step(self, gone: list[int], admit: list[_Request]) -> list[_Request]:
         rows = len(self._rows)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, f0 = time.perf_counter(), time.thread_time(), _faults()
         done = self._step(gone, admit, self._version)
         dt = time.perf_counter() - t0
         self._stats["busy_s"] += dt
         self._stats["last_step_s"] = dt
         self._stats["last_step_cpu_s"] = time.thread_time() - c0
+        self._stats["last_step_faults"] = _faults() - f0
         self._step_end = t0 + dt
         self.step_times.append(dt)
         # the control for the pause across a swap: how much one plain decode step (no row
@@ -615,3 +625,8 @@ def _find_stop_string(tokenizer: Any, out_ids: list[int], stops: list[str]) -> s
     # (checked after every token, so an earlier occurrence would already have stopped us)
     tail = tokenizer.decode(out_ids[-(longest + 8) :], skip_special_tokens=False)
     return next((s for s in stops if s in tail), None)
+
+
+def _faults() -> int:
+    """Minor page faults of the calling thread so far (first touches of memory)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt

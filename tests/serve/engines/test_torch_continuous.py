@@ -237,6 +237,10 @@ async def test_inflight_swap_runs_on_the_engine_thread_between_two_decode_steps(
     assert entry["steps_across"] == 1  # the row's next token came from the step right after
     assert entry["pause_s"] >= entry["swap_s"] > 0
     assert be.health()["sync_pause_max_s"] == entry["pause_s"]
+    # the engine thread's minor page faults in the swap and the steps around it (a step on
+    # weights this process has mapped takes none; bench/cold_weights.py for what it does take)
+    assert all(isinstance(entry[k], int) and entry[k] >= 0
+               for k in ("swap_faults", "step_faults", "step_before_faults"))
 
 
 async def test_step_changes_are_the_control_and_leave_out_the_step_after_a_swap(lm) -> None:  # type: ignore[no-untyped-def]
