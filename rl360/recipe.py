@@ -337,7 +337,8 @@ class ObjectStoreSync(_S, tag_field="transport", tag="object_store"):
       per replica, one copy of the weights per node) instead of copying it into its own
       parameters. Full versions only: with `delta` the replicas keep private weights.
     slots: with `zero_copy`, replicas on the sender's node get full versions through up to
-      this many shared-memory buffers that the sender maps once and rewrites in place
+      this many shared-memory buffers (each one version in size, in the sender's memory
+      accounting) that the sender maps once and rewrites in place
       (rl360.serve.weights.slots): one memcpy a version instead of an object-store put into
       pages never touched before (a page fault per 4 KiB). Versions go into the object store
       when every slot is in use or a replica cannot map them. 0: object store only.
