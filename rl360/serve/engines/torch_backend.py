@@ -358,7 +358,7 @@ class TorchBackend:
     def _record_pause(self, before: dict[int, tuple[float, int]], swap: float, wait: float,
                       step_before: float, step_s: float, done: list[_Request],
                       cpu_before: float, same: bool, end_before: float,
-                      faults_before: int = 0) -> None:
+                      faults_before: int) -> None:
         """The longest gap between two tokens of a sequence that ran across the last swap."""
         rows = [r for r in self._rows + done if id(r) in before]
         if not rows:

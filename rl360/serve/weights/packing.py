@@ -45,6 +45,7 @@ from rl360.serve.weights.slots import SlotReader, SlotWriter
 log = logging.getLogger("rl360.weights")
 
 _RAW_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_RAW_NUMPY = {n: torch.empty(0, dtype=t).numpy().dtype for n, t in _RAW_TORCH.items()}
 
 
 class Entry(msgspec.Struct, array_like=True):
@@ -515,13 +516,13 @@ async def fetch_update(chain: dict[str, Any], have: int, inplace: bool,
     layout = msgspec.convert(chain["layout"], Layout)
     if isinstance(chain["full"], dict):  # a weight slot: full versions only, never deltas
         reader = slots if slots is not None else SlotReader()
+        # the raw bits of each entry, as `raw` gave them to the sender
         arrays, mapped = reader.arrays(
-            chain["full"], [np.dtype(f"i{_itemsize(e.dtype)}") if _itemsize(e.dtype) > 1
-                            else np.dtype(np.uint8) for e in layout.entries],
+            chain["full"], [_RAW_NUMPY[_itemsize(e.dtype)] for e in layout.entries],
             [e.numel for e in layout.entries])
-        if reader.stamp(chain["full"]) != int(chain["base"]):  # rewritten since: a bug
-            raise OSError(f"weight version {chain['base']}: its slot holds version "
-                          f"{reader.stamp(chain['full'])}")
+        stamp = reader.stamp(chain["full"])
+        if stamp != int(chain["base"]):  # rewritten since: a bug
+            raise OSError(f"weight version {chain['base']}: its slot holds version {stamp}")
         full = FullPacket(int(chain["base"]), arrays, [], shareable=True, mapped=mapped)
         return PackedUpdate(int(chain["version"]), layout, full, [], slot=chain["full"]["slot"])
     need_full, delta_refs = plan_fetch(chain, have, inplace)

@@ -118,8 +118,7 @@ class SlotWriter:
         n = self.threads or len(os.sched_getaffinity(0))
         total = sum(src.nbytes for _, src in pairs)
         if n <= 1 or total < (8 << 20):
-            for dst, src in pairs:
-                np.copyto(dst, src)
+            _copy_all(pairs)
             return
         share = -(-total // n)
         jobs: list[list[tuple[np.ndarray, np.ndarray]]] = [[]]
