@@ -288,24 +288,31 @@ def put_packet(packet: Packet, publisher: Any = None, slots: SlotWriter | None =
     the metadata without the ref and with "published" and the seconds the put took (put_s,
     put_cpu_s: this process's CPU, the object store write). With `slots`, a version the
     replicas may serve in place is written into a free weight slot instead (rl360.serve.weights.
-    slots; "slot" in the metadata), and into the object store when none is free."""
+    slots; "slot" in the metadata), and into the object store when none is free; after it the
+    sender promises the slot of its next version and hands that hint to the publisher."""
     import ray
 
     t0, c0 = time.perf_counter(), time.process_time()
     if (slots is not None and publisher is not None and isinstance(packet.data, FullPacket)
             and packet.data.shareable):
-        reserved = slots.reserve(packet.data.arrays)
+        base = packet.meta()
+        reserved = slots.reserve(packet.data.arrays, base["layout"])
         if reserved is not None:
             slot, desc = reserved
-            meta = {**packet.meta(), "ref": [desc]}
+            meta = {**base, "ref": [desc]}
             slots.fill(slot, packet.data.arrays, packet.data.version)
             timing = {"put_s": time.perf_counter() - t0, "put_cpu_s": time.process_time() - c0}
             answer = ray.get(publisher.publish_slot.remote(packet.data.version, meta))
             if slots.published(answer, desc["slot"]):
+                promised = slots.promise(base["layout"])
+                if promised is not None:  # nothing waits on it: a lost hint costs the hops
+                    publisher.hint_slot.remote(packet.data.version, promised)
                 return {**{k: v for k, v in meta.items() if k != "ref"}, "published": True,
                         "slot": desc["slot"], **timing}
             log.info("weight version %d: slot refused (%s); through the object store",
                      packet.data.version, answer.get("why") or answer.get("stop"))
+    if slots is not None:
+        slots.broken_promise()  # a version outside the slots: the hint handed out is stale
     meta = {**packet.meta(), "ref": [ray.put(packet.data)]}
     timing = {"put_s": time.perf_counter() - t0, "put_cpu_s": time.process_time() - c0}
     if publisher is None:

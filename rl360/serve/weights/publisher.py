@@ -46,6 +46,9 @@ class WeightPublisher:
         # the version handed to it and not yet applied, and why slots are off ("" while on)
         self.serving: dict[str, str] = {}
         self.loading: dict[str, tuple[int, str]] = {}
+        # the sender's hint handed to each replica: (the version it follows, the slot the
+        # version after it goes to); a replica may load from that slot without asking
+        self.hinted: dict[str, tuple[int, str]] = {}
         self.no_slots = ""
         self._grace_until = 0.0
         with contextlib.suppress(Exception), warnings.catch_warnings():
@@ -90,11 +93,18 @@ class WeightPublisher:
         full = self.refs.get("full") if isinstance(self.refs, dict) else None
         return str(full["slot"]) if isinstance(full, dict) else ""
 
-    def claimed(self) -> set[str]:
+    def claimed(self, upcoming: bool = False) -> set[str]:
         """Weight slots that must not be rewritten: served by a replica, handed to one that
-        has not applied it yet, or holding the newest version (about to be handed out)."""
-        out = {*self.serving.values(), *(s for _, s in self.loading.values()),
-               self._slot_of_newest()}
+        has not applied it yet, holding the newest version (about to be handed out), or
+        hinted to a replica as where the next version goes. `upcoming`: for the version
+        after the newest, which may go where the replicas were told it would."""
+        # a replica that slept on the hinted slot may serve the upcoming version before
+        # it is announced: its slot is that version's, not a claim against it
+        ahead = {r for r, (v, _) in self.applied.items() if upcoming and v > self.version}
+        out = {*(s for r, s in self.serving.items() if r not in ahead),
+               *(s for _, s in self.loading.values()), self._slot_of_newest()}
+        out |= {s for after, s in self.hinted.values()
+                if not (upcoming and after == self.version)}
         out.discard("")
         return out
 
@@ -107,12 +117,24 @@ class WeightPublisher:
             return {"ok": False, "stop": self.no_slots}
         if time.monotonic() < self._grace_until:
             return {"ok": False, "why": "the publisher restarted and is learning the claims"}
-        if slot in self.claimed():  # the sender's rule keeps this from happening: a bug
+        if slot in self.claimed(upcoming=True):  # the sender's rule keeps this out: a bug
             log.error("weight version %d: slot %s is claimed (%s); refused", version,
-                      slot[:8], sorted(self.claimed()))
+                      slot[:8], sorted(self.claimed(upcoming=True)))
             return {"ok": False, "why": f"slot {slot[:8]} is claimed"}
         ok = await self.publish_packed(version, meta)
         return {"ok": ok, "busy": sorted(self.claimed())}
+
+    async def hint_slot(self, after: int, desc: dict[str, Any]) -> bool:
+        """The sender's promise: the version after `after` goes to slot `desc`. Handed to the
+        replicas with the newest version (waking their polls), so they can sleep on that
+        slot and load the next version as soon as it is written."""
+        full = self.refs.get("full") if isinstance(self.refs, dict) else None
+        if after != self.version or not isinstance(full, dict) or self.no_slots:
+            return False
+        self.refs = {**self.refs, "next": desc}  # type: ignore[dict-item]
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return True
 
     async def slot_unusable(self, replica: str, reason: str) -> None:
         """A replica could not map a weight slot: versions go through the object store."""
@@ -164,8 +186,9 @@ class WeightPublisher:
 
     async def wait_newer(self, have: int, timeout_s: float, replica: str = "") -> tuple[int, Any]:
         """The newest version once it is newer than `have` (or after `timeout_s`). A version
-        in a weight slot handed to `replica` claims that slot until it applies a newer one."""
-        if self.version <= have:
+        in a weight slot handed to `replica` claims that slot until it applies a newer one;
+        so does the sender's hint of the slot after it (answered at once if not yet handed)."""
+        if self.version <= have and not self._hint_news(replica):
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except TimeoutError:
@@ -173,7 +196,24 @@ class WeightPublisher:
         slot = self._slot_of_newest()
         if replica and slot and self.version > have:
             self.loading[replica] = (self.version, slot)
+        hint = self._hint_for(replica)
+        if hint:
+            self.hinted[replica] = (self.version, hint)
         return self.version, self.refs
+
+    def _hint_for(self, replica: str) -> str:
+        """The slot the newest version's hint names, for `replica` ("": none, or the replica
+        already serves the version the hint is for: it slept on that slot)."""
+        hint = self.refs.get("next") if isinstance(self.refs, dict) else None
+        if not replica or not isinstance(hint, dict) or \
+                self.applied.get(replica, (0, 0.0))[0] > self.version:
+            return ""
+        return str(hint["slot"])
+
+    def _hint_news(self, replica: str) -> bool:
+        """The newest version carries a hint `replica` has not been handed yet."""
+        hint = self._hint_for(replica)
+        return bool(hint) and self.hinted.get(replica) != (self.version, hint)
 
     async def report_applied(self, replica: str, version: int,
                              detail: dict[str, Any] | None = None) -> None:
@@ -186,6 +226,8 @@ class WeightPublisher:
             self.serving[replica] = str(detail.get("slot", ""))
         if self.loading.get(replica, (version + 1, ""))[0] <= version:
             del self.loading[replica]
+        if self.hinted.get(replica, (version, ""))[0] < version:  # moved past the hint
+            del self.hinted[replica]
         self._notify()
 
     async def wait_applied(self, version: int, replicas: int, timeout_s: float) -> int:
@@ -228,7 +270,8 @@ class WeightPublisher:
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied),
                 "engines": dict(self.engine_stats), "fetched": dict(self.details),
-                "slots": {"claimed": sorted(self.claimed()), "off": self.no_slots}}
+                "slots": {"claimed": sorted(self.claimed()), "off": self.no_slots,
+                          "hinted": {r: s for r, (_, s) in self.hinted.items()}}}
 
 
 async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0,
@@ -236,12 +279,14 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     """Replica side: apply every newer published version (runs as a named task), and report
     the backend's health (busy time, tokens) every `poll_s` for the run's metrics.
     `caught_up` is set once the replica serves the newest version the publisher had when it
-    first asked (a restarted replica must not serve base weights)."""
+    first asked (a restarted replica must not serve base weights). With a hint (the weight
+    slot the next version goes to) the replica also sleeps on that slot and loads the version
+    as soon as the sender has written it, before the publisher's announcement arrives."""
     # the replica's side needs torch; imported here so the publisher's own process (which
     # only hands out refs) does not spend seconds of start-up importing it
     from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
     from rl360.serve.weights.packing import can_load_in_place, fetch_update
-    from rl360.serve.weights.slots import SlotReader
+    from rl360.serve.weights.slots import SlotReader, SlotWatch
     from rl360.serve.weights.transports import GlooGroup
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
@@ -250,51 +295,89 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     first = True
     slots = SlotReader()
     serving_slot = ""  # the weight slot this replica's parameters view ("" none)
-    while True:
-        await publisher.report_stats.remote(replica, backend.health(), have, serving_slot)
-        version, payload = await publisher.wait_newer.remote(have, 0.0 if first else poll_s,
-                                                             replica)
-        first = False
-        if version <= have or not payload:
+    poll: asyncio.Future[Any] | None = None
+    watch: SlotWatch | None = None  # sleeping on the hinted slot
+    try:
+        while True:
+            if poll is None:
+                await publisher.report_stats.remote(replica, backend.health(), have,
+                                                    serving_slot)
+                poll = asyncio.ensure_future(publisher.wait_newer.remote(
+                    have, 0.0 if first else poll_s, replica))
+                first = False
+            waits: list[asyncio.Future[Any]] = [poll]
+            if watch is not None and watch.after >= have:
+                waits.append(watch.task)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if poll.done():
+                version, payload = poll.result()
+                poll = None
+                if watch is not None and (watch.after, watch.slot) != _hint_of(version, payload):
+                    watch.stop()
+                    watch = None
+                if watch is None and version >= have and _hint_of(version, payload)[1]:
+                    watch = SlotWatch.start(slots, version, payload["next"], payload["layout"],
+                                            name=f"rl360-slot-watch-{replica}")
+                watched = False
+            else:  # the hinted slot holds a newer version: no need to wait for the publisher
+                assert watch is not None
+                version, payload = watch.payload()
+                watch.stop()
+                watch = None
+                watched = True
+            if version <= have or not payload:
+                if caught_up is not None:
+                    caught_up.set()
+                continue
+            update = None
+            t0 = time.perf_counter()
+            if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store
+                try:
+                    update = await fetch_update(payload, have, can_load_in_place(backend), slots)
+                except OSError as e:  # a weight slot this process cannot map (or a bad stamp)
+                    await publisher.slot_unusable.remote(replica, str(e))
+                    if watch is not None:
+                        watch.stop()
+                        watch = None
+                    continue
+                state = update if can_load_in_place(backend) else update.state_dict()
+            elif isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / IPC
+
+                state, group = await gpu_state(payload, backend, rank, group)
+            elif isinstance(payload, dict):  # collective: join the group once, then receive
+
+                if group is None:
+                    group = await aio.to_thread(GlooGroup, payload["host"], payload["port"],
+                                                rank, payload["world"])
+                state = await aio.to_thread(group.receive, payload["spec"])
+            else:
+                state = await payload[0]
+            t1 = time.perf_counter()
+            if await backend.update_weights(version, state):
+                have = version
+                if isinstance(payload, dict) and payload.get("checksum"):
+
+                    sums = await engine_checksums(backend, payload, state)
+                    await publisher.report_checksums.remote(replica, version, sums)
+                detail = update.detail() if update is not None else {}
+                serving_slot = update.slot if update is not None and update.borrowed else ""
+                detail |= {"slot": serving_slot, "watched": watched}
+                # where this replica's share of the sync went: fetching / receiving the
+                # version, then queueing for and running the engine's load (apply_s,
+                # apply_cpu_s inside)
+                detail |= {"fetch_s": t1 - t0, "update_s": time.perf_counter() - t1}
+                await publisher.report_applied.remote(replica, version, detail)
+            else:
+                have = max(have, backend.version)
             if caught_up is not None:
                 caught_up.set()
-            continue
-        update = None
-        t0 = time.perf_counter()
-        if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store
-            try:
-                update = await fetch_update(payload, have, can_load_in_place(backend), slots)
-            except OSError as e:  # a weight slot this process cannot map (or a bad stamp)
-                await publisher.slot_unusable.remote(replica, str(e))
-                continue
-            state = update if can_load_in_place(backend) else update.state_dict()
-        elif isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / CUDA IPC
+            del state, update
+    finally:
+        if watch is not None:
+            watch.stop()
 
-            state, group = await gpu_state(payload, backend, rank, group)
-        elif isinstance(payload, dict):  # collective: join the group once, then receive
 
-            if group is None:
-                group = await aio.to_thread(GlooGroup, payload["host"], payload["port"], rank,
-                                            payload["world"])
-            state = await aio.to_thread(group.receive, payload["spec"])
-        else:
-            state = await payload[0]
-        t1 = time.perf_counter()
-        if await backend.update_weights(version, state):
-            have = version
-            if isinstance(payload, dict) and payload.get("checksum"):
-
-                sums = await engine_checksums(backend, payload, state)
-                await publisher.report_checksums.remote(replica, version, sums)
-            detail = update.detail() if update is not None else {}
-            serving_slot = update.slot if update is not None and update.borrowed else ""
-            detail["slot"] = serving_slot
-            # where this replica's share of the sync went: fetching / receiving the version,
-            # then queueing for and running the engine's load (apply_s, apply_cpu_s inside)
-            detail |= {"fetch_s": t1 - t0, "update_s": time.perf_counter() - t1}
-            await publisher.report_applied.remote(replica, version, detail)
-        else:
-            have = max(have, backend.version)
-        if caught_up is not None:
-            caught_up.set()
-        del state, update
+def _hint_of(version: int, payload: Any) -> tuple[int, str]:
+    """(the version a hint follows, the slot it names) of a publisher's answer ("": none)."""
+    hint = payload.get("next") if isinstance(payload, dict) else None
+    return (version, str(hint["slot"])) if isinstance(hint, dict) else (version, "")

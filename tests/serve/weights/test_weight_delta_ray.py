@@ -5,6 +5,7 @@ the trainer's per-bucket checksums (no fallback needed means it holds the sender
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,20 @@ def test_object_store_full_then_delta_versions(ray_cluster, tiny_dir: Path) -> N
             trainer.shutdown()
 
 
+def _wait_hinted(pub, timeout_s: float = 30.0) -> str:  # type: ignore[no-untyped-def]
+    """The slot hinted to the one replica, once the hint has reached it."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        hinted = ray.get(pub.status.remote())["slots"]["hinted"]
+        if hinted:
+            [slot] = hinted.values()
+            return str(slot)
+        time.sleep(0.05)
+    raise AssertionError("no weight slot hint reached the replica")
+
+
 @pytest.mark.ray
 def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Path) -> None:  # type: ignore[no-untyped-def]
     """zero_copy (the default): the replica's parameters become views of the version, which
@@ -89,9 +104,17 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
                     assert fetched["slot"] == transport.last.get("slot", "")
                     borrowed.append(fetched["borrowed"])
                     slots.append(fetched["slot"])
-                    # claimed: the slot the replica serves (also the newest), nothing else
-                    assert status["slots"]["claimed"] == ([fetched["slot"]] if fetched["slot"]
-                                                          else [])
+                    # a slot version after the first: the replica slept on the slot hinted
+                    # after the version before and loaded it from there
+                    assert fetched["watched"] == (fetched["slot"] != "" and version > 1)
+                    if fetched["slot"]:  # the sender hints the next version's slot
+                        hinted = _wait_hinted(pub)
+                        assert hinted != fetched["slot"]
+                        status = ray.get(pub.status.remote())
+                        # claimed: the slot the replica serves (also the newest) and the hint
+                        assert status["slots"]["claimed"] == sorted([fetched["slot"], hinted])
+                    else:
+                        assert status["slots"]["claimed"] == []
             finally:
                 trainer.shutdown()
         assert borrowed[0] > 0 and len(set(borrowed[:6])) == 1 and borrowed[6] == 0
