@@ -187,6 +187,7 @@ def main() -> None:
     from rl360.policies.loading import resolve_model_path
     from rl360.ray_session import ray_session
     from rl360.recipe import ObjectStoreSync, apply_overrides, decode_recipe
+    from rl360.serve.weights.slots import writer_env
     from rl360.serve.weights.transports import CollectiveTransport, ObjectStoreTransport
 
     model_dir = str(resolve_model_path("tiny:sync100m"))
@@ -196,7 +197,9 @@ def main() -> None:
     with ray_session(num_cpus=2, dashboard=False, namespace="rl360-bench"):
         serving = start_serving(recipe)
         try:
-            sender = ray.remote(StateSender).options(num_cpus=0).remote(model_dir)
+            # started as the trainer's rank 0 is (rl360.launch.train_run.trainer_rank_options)
+            sender = ray.remote(StateSender).options(
+                num_cpus=0, runtime_env={"env_vars": writer_env()}).remote(model_dir)
             nbytes = ray.get(sender.nbytes.remote())
             print(f"workload: tiny:sync100m, {nbytes / 1e6:.0f} MB fp32 state dict -> 2 torch "
                   f"engine replicas on one node; {args.warmup} warm-up + {args.runs} timed versions per "

@@ -18,6 +18,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
-from rl360.recipe import Recipe
+from rl360.recipe import ObjectStoreSync, Recipe
+from rl360.serve.weights.slots import writer_env
 from rl360.serve.weights.transports import WeightTransport, build_transport
 from rl360.types import Task
 
@@ -76,8 +78,29 @@ def start_learners(recipe: Recipe, placement: Placement, model_path: Any) -> tup
     buffer = ray.remote(TrajectoryBuffer).options(
         name="rl360-trajectory-buffer", **placement.service_options()).remote(tr, t.advantage)
     trainer = TrainerGroup(t, model_path, temperature=tr.sampling.temperature or 1.0,
-                           seed=recipe.run.seed, rank_options=placement.trainer_options)
+                           seed=recipe.run.seed,
+                           rank_options=trainer_rank_options(recipe, placement))
     return trainer, buffer
+
+
+def trainer_rank_options(recipe: Recipe, placement: Placement) -> Callable[[int], dict[str, Any]]:
+    """Each trainer rank's Ray options: the placement's, and for rank 0, when it writes the
+    weight slots, the environment that makes its large copies streaming
+    (rl360.serve.weights.slots.writer_env)."""
+    sync = recipe.train.weight_sync
+    writes_slots = isinstance(sync, ObjectStoreSync) and sync.slots > 0 and sync.zero_copy \
+        and not sync.delta
+    env = writer_env() if writes_slots else {}
+
+    def options(rank: int) -> dict[str, Any]:
+        out = dict(placement.trainer_options(rank))
+        if rank == 0 and env:
+            runtime_env = dict(out.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+            out["runtime_env"] = runtime_env
+        return out
+
+    return options
 
 
 def start_train_actors(recipe: Recipe, stack: Stack[Any], model_path: Any) -> TrainActors:

@@ -53,6 +53,26 @@ ABANDONED = -1
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: map (and allocate) every page in one call
 
 
+# glibc copies a block with streaming (non-temporal) stores from this size up: they do not read
+# the destination's cache lines before writing them, and the sender never reads a slot again.
+# glibc derives its own threshold from the cache size (114 MiB on a box with a 300 MiB L3:
+# never, for a slot's copies of one tensor each) and reads the setting once, at start-up, so
+# the sender's process is started with it (`writer_env`). Measured here: a 102 MB version
+# into a slot, 2 threads, 9 -> 5 ms.
+STREAM_FROM_BYTES = 1 << 20
+
+
+def writer_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """Environment variables for the process that writes weight slots (trainer rank 0): its
+    large copies use streaming stores. Nothing on other CPUs than x86-64, or when the caller
+    set that threshold itself; other GLIBC_TUNABLES it has are kept."""
+    have = environ.get("GLIBC_TUNABLES", "")
+    if platform.machine() != "x86_64" or "x86_non_temporal_threshold" in have:
+        return {}
+    tunable = f"glibc.cpu.x86_non_temporal_threshold={STREAM_FROM_BYTES:#x}"
+    return {"GLIBC_TUNABLES": f"{have}:{tunable}" if have else tunable}
+
+
 def _header(mm: mmap.mmap) -> tuple[np.ndarray, np.ndarray]:
     """A slot's version stamp and its count of finished writes, as views of the mapping."""
     return np.frombuffer(mm, np.int64, 1), np.frombuffer(mm, np.int32, 1, _WRITES_AT)
