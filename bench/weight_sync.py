@@ -10,7 +10,11 @@ views of it), the object store with delta versions, and the gloo collective.
 Workload: tiny:sync100m (fp32, 102 MB), 2 engine replicas on one node. Full versions change
 every element; delta versions change a random `--changed` fraction of the elements (what a
 bf16 RL step leaves: ~1%). Each transport gets `--warmup` untimed versions, then `--runs`
-timed versions: median and spread (min-max). Effective GB/s = state bytes / seconds until
+timed versions: median and spread (min-max). A version is timed from the publish call until
+the publisher has both replicas' applied reports (waited for from the start, as the rollout
+controller does: with weight slots a replica asleep on the hinted slot serves the version
+before the publisher has answered the sender). The stand-in sender is started as trainer rank 0
+is (slots.writer_env). Effective GB/s = state bytes / seconds until
 every replica applied the version (so a delta that moves fewer bytes counts the whole state);
 "moved" = bytes each replica fetched or received for that version. Baseline: one local memcpy
 of the same bytes, sampled before every timed version (median). Each transport also prints

@@ -341,7 +341,9 @@ class ObjectStoreSync(_S, tag_field="transport", tag="object_store"):
       accounting) that the sender maps once and rewrites in place
       (rl360.serve.weights.slots): one memcpy a version instead of an object-store put into
       pages never touched before (a page fault per 4 KiB). Versions go into the object store
-      when every slot is in use or a replica cannot map them. 0: object store only.
+      when every slot is in use or a replica cannot map them. After each version the sender
+      names the slot of the next one; replicas sleep on it and load it as soon as it is
+      written. 0: object store only.
     """
 
     delta: bool = False
