@@ -102,32 +102,32 @@ def test_the_sender_never_rewrites_a_claimed_slot_and_stops_at_its_limit() -> No
     writer.close()
 
 
+def _meta(version: int, slot: str) -> dict[str, object]:
+    """What a sender publishes for a version written into `slot` (no tensors)."""
+    return {"kind": "full", "version": version, "nbytes": 0,
+            "layout": {"entries": [], "buckets": []}, "ref": [{"slot": slot}]}
+
+
 def test_the_publisher_keeps_every_claim_on_a_slot() -> None:
     async def run() -> None:
         pub = WeightPublisher()
-        layout = {"entries": [], "buckets": []}
-
-        def meta(version: int, slot: str) -> dict[str, object]:
-            return {"kind": "full", "version": version, "nbytes": 0, "layout": layout,
-                    "ref": [{"slot": slot}]}
-
-        answer = await pub.publish_slot(1, meta(1, "A"))
+        answer = await pub.publish_slot(1, _meta(1, "A"))
         assert answer == {"ok": True, "busy": ["A"]}  # the newest is claimed
         _, chain = await pub.wait_newer(0, 0.0, "r1")  # handed to r1: r1 claims A
         assert chain["full"] == {"slot": "A"}
-        assert (await pub.publish_slot(2, meta(2, "B")))["busy"] == ["A", "B"]
+        assert (await pub.publish_slot(2, _meta(2, "B")))["busy"] == ["A", "B"]
         await pub.report_applied("r1", 1, {"slot": "A"})  # r1 serves A
         assert pub.claimed() == {"A", "B"}
-        refused = await pub.publish_slot(3, meta(3, "A"))  # a served slot is never taken
+        refused = await pub.publish_slot(3, _meta(3, "A"))  # a served slot is never taken
         assert not refused["ok"] and "claimed" in refused["why"] and pub.version == 2
         await pub.wait_newer(1, 0.0, "r1")
         await pub.report_applied("r1", 2, {"slot": "B"})  # r1 moved to B: A is free
-        assert (await pub.publish_slot(3, meta(3, "A")))["busy"] == ["A", "B"]
+        assert (await pub.publish_slot(3, _meta(3, "A")))["busy"] == ["A", "B"]
         await pub.report_stats("r2", {}, 0, "")  # r2 serves no slot; a copied version frees
         await pub.report_applied("r1", 3, {"slot": ""})
         assert pub.claimed() == {"A"}
         await pub.slot_unusable("r2", "cannot open /proc/1/fd/9")
-        stop = await pub.publish_slot(4, meta(4, "B"))
+        stop = await pub.publish_slot(4, _meta(4, "B"))
         assert not stop["ok"] and "r2" in stop["stop"]
 
     asyncio.run(run())
@@ -222,13 +222,7 @@ def test_a_promise_is_kept_only_for_the_layout_it_was_made_for() -> None:
 def test_the_publisher_hands_out_hints_and_keeps_their_claims() -> None:
     async def run() -> None:
         pub = WeightPublisher()
-        layout = {"entries": [], "buckets": []}
-
-        def meta(version: int, slot: str) -> dict[str, object]:
-            return {"kind": "full", "version": version, "nbytes": 0, "layout": layout,
-                    "ref": [{"slot": slot}]}
-
-        assert (await pub.publish_slot(1, meta(1, "A")))["ok"]
+        assert (await pub.publish_slot(1, _meta(1, "A")))["ok"]
         await pub.wait_newer(0, 0.0, "r1")
         await pub.report_applied("r1", 1, {"slot": "A"})
         assert not await pub.hint_slot(0, {"slot": "B"})  # only for the newest version
@@ -246,7 +240,7 @@ def test_the_publisher_hands_out_hints_and_keeps_their_claims() -> None:
         # r1 slept on B and serves version 2 before the publisher hears of it
         await pub.report_applied("r1", 2, {"slot": "B", "watched": True})
         assert "r1" not in pub.hinted  # moved past its hint: its serving slot claims B
-        answer = await pub.publish_slot(2, meta(2, "B"))
+        answer = await pub.publish_slot(2, _meta(2, "B"))
         assert answer["ok"] and answer["busy"] == ["B"]  # r2's hint was for B: claimed anyway
         # r2 never moved on: its hint still claims B against version 3 and later
         await pub.report_applied("r1", 2, {"slot": "B"})
