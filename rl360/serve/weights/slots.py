@@ -362,7 +362,7 @@ class SlotWatch:
     desc: dict[str, Any]
     layout: Any
     task: asyncio.Task[int]
-    word: int  # the address of the slot's write counter in this process
+    writes: np.ndarray  # the slot's write counter (a view: it keeps the mapping alive)
     stop_event: threading.Event
 
     @classmethod
@@ -379,8 +379,8 @@ class SlotWatch:
         stop = threading.Event()
         task = asyncio.get_running_loop().create_task(
             asyncio.to_thread(reader.wait_newer, desc, after, stop), name=name)
-        word = _header(reader.maps[desc["slot"]])[1].ctypes.data
-        return cls(after, str(desc["slot"]), desc, layout, task, word, stop)
+        writes = _header(reader.maps[desc["slot"]])[1]
+        return cls(after, str(desc["slot"]), desc, layout, task, writes, stop)
 
     def payload(self) -> tuple[int, dict[str, Any] | None]:
         """The version the slot now holds as a publisher would hand it out ((0, None): none)."""
@@ -397,7 +397,7 @@ class SlotWatch:
     def stop(self) -> None:
         """Wake the sleeping thread and let it end (every sleeper on the slot re-checks)."""
         self.stop_event.set()
-        _futex(self.word, _FUTEX_WAKE, 2**31 - 1)
+        _futex(self.writes.ctypes.data, _FUTEX_WAKE, 2**31 - 1)
         if not self.task.done():
             self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
