@@ -447,7 +447,7 @@ class RolloutController:
         oldest = min((x.batch for x in self.inflight.values()), default=g.batch)
         for old in [b for b in self.done_times if b < oldest]:  # bounded: no group needs them
             del self.done_times[old]
-        self.counts["record_bytes"] += sum(len(msgspec.msgpack.encode(r)) for r in records)
+        record_bytes = sum(len(msgspec.msgpack.encode(r)) for r in records)
         batch = -1 if self.cfg.oversampling else g.batch
         queued = await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch)
         self._event("settle", g, gid, queued=bool(queued),
@@ -463,6 +463,8 @@ class RolloutController:
             if self.cfg.oversampling:
                 self.started -= 1
             self.counts["groups_filtered"] += 1
+        # counted together: a status read while the buffer takes the group sees neither
+        self.counts["record_bytes"] += record_bytes
         self.counts["groups_done"] += 1
         self._notify()
 

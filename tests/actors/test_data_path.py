@@ -5,6 +5,7 @@ shard. What the controller and the driver receive does not grow with the sequenc
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,11 @@ def one_batch(tasks_file: str, length: int) -> tuple[int, float, object, object]
     ray.get(ctl.start.remote())
     batch = ray.get(buf.next_batch.remote(0, 1, 60.0))
     assert batch is not None and len(batch.members) == 4
+    # the buffer cut the batch once it took both groups; the controller counts a group when
+    # the buffer's answer reaches it, which may come a moment later
+    deadline = time.monotonic() + 30
+    while ray.get(ctl.status.remote())["count/groups_done"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     status = ray.get(ctl.stop.remote())
     episodes = status["count/groups_done"] * 2
     return (len(ray.cloudpickle.dumps(batch)), status["count/record_bytes"] / episodes, batch,
