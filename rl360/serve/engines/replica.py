@@ -140,7 +140,11 @@ class ServeEngineClient:
 
     async def _call(self, method: str, route_key: str | None, *args: Any) -> Any:
         if self._handle is None:
-            self._handle = serve.get_deployment_handle(self.deployment, app_name=self.app_name)
+            # by value: requests and answers travel over Serve's direct gRPC channel to the
+            # replica instead of Ray task calls and the object store (the path Serve's
+            # RAY_SERVE_THROUGHPUT_OPTIMIZED takes); about 1 ms of CPU less per call
+            self._handle = serve.get_deployment_handle(
+                self.deployment, app_name=self.app_name).options(_by_reference=False)
         h = self._handle.options(session_id=route_key) if route_key else self._handle
         response = getattr(h, method).remote(*args)
         try:
