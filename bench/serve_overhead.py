@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/serve_overhead.py [--mode retry|agent] [--sessions 16]
                                              [--requests 8] [--max-tokens 96] [--turns 8]
+                                             [--threads 1] [--ingress proxy|haproxy]
 
 `retry`: each session sends the same first turn `--requests` times (siblings in its ledger).
 `agent` (the real agent case): each session is one episode of `--turns` turns; every turn
@@ -15,6 +16,12 @@ ledger and templating. The client is aiohttp + msgspec (its CPU shares the box w
 server, as an agent's would). Median of 3 interleaved runs with the spread; load printed.
 Besides tokens per wall second, tokens per CPU second of the processes doing the work
 (`cpu_ratio`): on a loaded box the wall ratio depends on how the scheduler shares the CPU.
+Threads: both sides run the engine with `--threads` torch threads (default 1: the engine
+replica reserves one CPU, `engine.num_cpus = 1`, and Ray starts it with OMP_NUM_THREADS=1).
+`--threads 2` makes the server's engine use more than it reserved: libgomp's second thread
+spin-waits after every parallel region and takes the core the session server, shard and
+client need (2026-12-06: ratio 0.32 at 2 threads against 0.6-0.7 at 1), while the tiny model
+gains nothing from it in process (10.3k vs 10.6k tok/s).
 The last line is
 {"bench": "serve_overhead", "ours": <server tok/s>, "baseline": <direct tok/s>, "ratio": ...}
 """
@@ -166,7 +173,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8, help="retry mode: requests per session")
     ap.add_argument("--turns", type=int, default=8, help="agent mode: turns per episode")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the engine, both sides (the replica reserves 1 CPU)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="proxy",
                     help="serve.ingress: Serve's Python proxy or its HAProxy ingress")
