@@ -42,7 +42,7 @@ from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
 from rl360.recipe import ObjectStoreSync, Recipe
-from rl360.serve.weights.slots import writer_env
+from rl360.serve.weights.slots import writer_env, writes_slots
 from rl360.serve.weights.transports import WeightTransport, build_transport
 from rl360.types import Task
 
@@ -88,9 +88,9 @@ def trainer_rank_options(recipe: Recipe, placement: Placement) -> Callable[[int]
     weight slots, the environment that makes its large copies streaming
     (rl360.serve.weights.slots.writer_env)."""
     sync = recipe.train.weight_sync
-    writes_slots = isinstance(sync, ObjectStoreSync) and sync.slots > 0 and sync.zero_copy \
-        and not sync.delta
-    env = writer_env() if writes_slots else {}
+    writes = isinstance(sync, ObjectStoreSync) and writes_slots(sync.slots, sync.zero_copy,
+                                                                sync.delta)
+    env = writer_env() if writes else {}
 
     def options(rank: int) -> dict[str, Any]:
         out = dict(placement.trainer_options(rank))

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
-from rl360.serve.weights.slots import SlotReader, SlotWriter
+from rl360.serve.weights.slots import SlotReader, SlotWriter, writes_slots
 
 log = logging.getLogger("rl360.weights")
 
@@ -259,7 +259,7 @@ def make_sender(settings: Mapping[str, Any]) -> tuple[WeightPacker, SlotWriter |
     kw = dict(settings)
     n = int(kw.pop("slots", 0))
     packer = WeightPacker(**kw)
-    return packer, (SlotWriter(n) if n > 0 and packer.zero_copy and not packer.delta else None)
+    return packer, (SlotWriter(n) if writes_slots(n, packer.zero_copy, packer.delta) else None)
 
 
 def changed_positions(new: np.ndarray, old: np.ndarray) -> np.ndarray:

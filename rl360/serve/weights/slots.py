@@ -62,6 +62,12 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+: map (and allocate) every page in one c
 STREAM_FROM_BYTES = 1 << 20
 
 
+def writes_slots(slots: int, zero_copy: bool, delta: bool) -> bool:
+    """Whether a sender writes weight slots: it has some, and it sends full versions that the
+    replicas serve in place (a delta or a copied load has nothing to serve out of a slot)."""
+    return slots > 0 and zero_copy and not delta
+
+
 def writer_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
     """Environment variables for the process that writes weight slots (trainer rank 0): its
     large copies use streaming stores. Nothing on other CPUs than x86-64, or when the caller
