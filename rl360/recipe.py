@@ -62,6 +62,9 @@ class EngineSection(_S):
     num_gpus: NonNegFloat = 0.0
     max_batch_size: Annotated[int, Meta(ge=1, le=4096)] = 32
     batch_wait_ms: Annotated[float, Meta(ge=0.0, le=1000.0)] = 2.0
+    # torch backend: intra-op threads per replica; 0 = what Ray gives the replica's actor
+    # (OMP_NUM_THREADS = its num_cpus). More than num_cpus oversubscribes the reservation:
+    # the extra threads spin-wait between ops on cores the rest of the stack needs
     threads: NonNegInt = 0
     max_ongoing_requests: PosInt = 256
     options: dict[str, Any] = msgspec.field(default_factory=dict)
