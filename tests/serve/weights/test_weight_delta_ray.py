@@ -88,7 +88,7 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
     with serving(["engine.replicas=1"]) as handles:
         # a sender keeps its first packer settings: one trainer per setting, one at a time
         pub = handles.publisher
-        borrowed, slots = [], []
+        borrowed, slots, hints = [], [], []
         for versions, sync in (((1, 2, 3, 4, 5), ObjectStoreSync()),
                                ((6,), ObjectStoreSync(slots=0)),
                                ((7,), ObjectStoreSync(zero_copy=False))):
@@ -109,6 +109,7 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
                     assert fetched["watched"] == (fetched["slot"] != "" and version > 1)
                     if fetched["slot"]:  # the sender hints the next version's slot
                         hinted = _wait_hinted(pub)
+                        hints.append(hinted)
                         assert hinted != fetched["slot"]
                         status = ray.get(pub.status.remote())
                         # claimed: the slot the replica serves (also the newest) and the hint
@@ -118,8 +119,11 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
             finally:
                 trainer.shutdown()
         assert borrowed[0] > 0 and len(set(borrowed[:6])) == 1 and borrowed[6] == 0
-        # three slots in turn: at each publish the replica still serves the one before, and
-        # the one just written is the newest; the sender writes the third
-        assert all(slots[:5]) and len(set(slots[:5])) == 3
-        assert slots[0] == slots[3] and slots[1] == slots[4]
+        # each version went into the slot hinted after the one before, never into the slot the
+        # replica was serving; which free slot the sender picks depends on whether the replica
+        # had already moved on when the publish answered (the most recently written free one),
+        # so two or three slots take turns
+        assert all(slots[:5]) and 2 <= len(set(slots[:5])) <= 3
+        assert all(slots[i] == hints[i - 1] for i in range(1, 5))
+        assert all(slots[i] != slots[i - 1] for i in range(1, 5))
         assert slots[5] == slots[6] == ""
