@@ -295,6 +295,10 @@ class TrainerSection(_S):
     # pass the padding mask to the model. A causal LM with right padding does not need it
     # (a real token never attends to a later pad) and runs faster without it.
     attention_mask: bool = False
+    # torch: logprobs and entropies of the loss tokens only, through the output head in chunks
+    # of rows, instead of the logits of every position (rl360/policies/token_logprobs.py);
+    # models whose head is not a plain Linear, and fsdp, use the full logits either way
+    fused_logprobs: bool = True
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "drgrpo"
     # optimizer steps per rollout batch: `epochs` passes over it in `minibatches` parts; with
     # more than one step the PPO ratio is current/proximal (the weights when the batch began)

@@ -69,6 +69,8 @@ class FSDPTrainer(TorchTrainer):
             dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo",
                                     store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(config, model_path, **kwargs)
+        # the output head's weight is a shard outside its module's forward: full logits
+        self.fused_logprobs = False
         self._full: dict[str, Tensor] = self._gather()
 
     # ------------------------------------------------------------------ sharding

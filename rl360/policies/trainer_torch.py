@@ -37,6 +37,7 @@ from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validat
 from rl360.policies.devices import Placement, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
+from rl360.policies.token_logprobs import linear_logprobs, plain_head
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 
@@ -106,6 +107,9 @@ class TorchTrainer:
         self.config = config
         self.temperature = temperature
         self.seed = seed
+        # loss positions only through a plain output head (backends whose head weight is
+        # sharded outside its own forward turn it off)
+        self.fused_logprobs = config.fused_logprobs
         self.model_path = Path(model_path)
         pin_to_cpus(config.cpu_affinity, "trainer.cpu_affinity")
         set_niceness(config.nice, "trainer.nice")
@@ -222,7 +226,7 @@ class TorchTrainer:
         out: dict[int, Tensor] = {}
         index = {id(s): i for i, s in enumerate(samples)}
         for mb in self._micro_batches(samples, None, index):
-            logprobs = mb.padded(self._target_logprobs(self._logits(self.model, mb), mb.ids))
+            logprobs, _ = self._token_logprobs(self.model, mb)
             for r, i in enumerate(mb.rows):
                 out[i] = logprobs[r, : len(samples[i].tokens) - 1].to("cpu", copy=True)
         return out
@@ -303,6 +307,32 @@ class TorchTrainer:
                 out = model(input_ids=mb.ids, attention_mask=attn, use_cache=False)
         return out.logits[:, :-1].float() / self.temperature
 
+    def _token_logprobs(self, model: Any, mb: MicroBatch,
+                        entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+        """The logprob of every target and the entropy of its distribution, in the padded
+        [B, L-1] layout. With `trainer.fused_logprobs` and a plain output head
+        (`token_logprobs.plain_head`) and right-padded rows, only the loss positions go
+        through the head, chunked (`linear_logprobs`; 0 elsewhere, which every loss masks);
+        otherwise (packed rows too) from the full logits. `entropy_grad`: the entropy is differentiated (an entropy bonus)."""
+        head = plain_head(model) if self.fused_logprobs and mb.positions is None else None
+        if head is None:
+            logits = self._logits(model, mb)
+            logprobs = mb.padded(self._target_logprobs(logits, mb.ids))
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                entropy = mb.padded(entropy_from_logits(logits))
+            return logprobs, entropy
+        with self._autocast():
+            attn = mb.attn if self.config.attention_mask else None
+            hidden = model.get_decoder()(input_ids=mb.ids, attention_mask=attn,
+                                         use_cache=False).last_hidden_state
+        sel = mb.mask > 0
+        h, targets = hidden[:, :-1][sel], mb.ids[:, 1:][sel]
+        logp, ent = linear_logprobs(h, head.weight, targets, 1.0 / self.temperature)
+        if not entropy_grad:
+            ent = ent.detach()
+        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=logp.device)
+        return zeros.masked_scatter(sel, logp), zeros.masked_scatter(sel, ent)
+
     @staticmethod
     def _target_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
         targets = ids[:, 1:].unsqueeze(-1)
@@ -317,20 +347,18 @@ class TorchTrainer:
         ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = self._logits(self.reference, mb)
-                ref_logprobs = mb.padded(self._target_logprobs(ref_logits, mb.ids))
-        logits = self._logits(self.model, mb)
-        logprobs = mb.padded(self._target_logprobs(logits, mb.ids))
+                ref_logprobs, _ = self._token_logprobs(self.reference, mb)
+        bonus_coef = self.config.loss.entropy_coef
+        logprobs, entropy = self._token_logprobs(self.model, mb, entropy_grad=bonus_coef > 0)
         old = mb.old if mb.old is not None else logprobs.detach()
         per_token, metrics = self.loss_fn(logprobs, old, mb.sampling, mb.adv, mb.mask, ref_logprobs)
-        if self.config.loss.entropy_coef > 0:
-            bonus = mb.padded(entropy_from_logits(logits)) * mb.mask
-            per_token = per_token - self.config.loss.entropy_coef * bonus
+        if bonus_coef > 0:
+            per_token = per_token - bonus_coef * entropy * mb.mask
         loss = self.reducer(per_token, mb.mask, global_tokens=global_tokens, global_seqs=global_seqs)
         loss.backward()
         with torch.no_grad():
             m = mb.mask
-            metrics["entropy"] = (mb.padded(entropy_from_logits(logits.detach())) * m).sum() / n_tok
+            metrics["entropy"] = (entropy.detach() * m).sum() / n_tok
             metrics["logprob_mean"] = (logprobs.detach() * m).sum() / n_tok
         acc.add(metrics, n_tok)
         return loss.detach().to(torch.float64)
