@@ -96,8 +96,8 @@ def spread(xs: list[float]) -> str:
     return f"median {statistics.median(xs):.1f} (min {min(xs):.1f}, max {max(xs):.1f})"
 
 
-def compare(args: argparse.Namespace, model: Any, tok: Any, name: str, lengths: list[int],
-            sp: dict[str, Any]) -> dict[str, Any]:
+def compare(args: argparse.Namespace, model: Any, hf_model: Any, tok: Any, name: str,
+            lengths: list[int], sp: dict[str, Any]) -> dict[str, Any]:
     from rl360.recipe import EngineSection, ModelSection
     from rl360.serve.engines.torch_backend import TorchBackend
 
@@ -110,7 +110,7 @@ def compare(args: argparse.Namespace, model: Any, tok: Any, name: str, lengths: 
                                         prefix_cache_mb=0, threads=args.threads),
                           ModelSection(path=args.model, max_model_len=2048), model=model, tokenizer=tok)
         wall, got = asyncio.run(run_ours(be, p, n, sp, seed=1000 * r))
-        wall_hf, got_hf = run_hf(model, pad, p, n, sp, args.batch, seed=1000 * r)
+        wall_hf, got_hf = run_hf(hf_model, pad, p, n, sp, args.batch, seed=1000 * r)
         if r >= 0:
             ours.append(got / wall)
             base.append(got_hf / wall_hf)
@@ -165,7 +165,8 @@ def main() -> None:
     args = ap.parse_args()
     args.model = args.model or ("smollm2" if smollm2_gguf_path() else "tiny:demo")
     torch.set_num_threads(args.threads)
-    model, tok = load_causal_lm(args.model, "float32")
+    model, tok = load_causal_lm(args.model, "float32")  # the engine's modules (native Llama)
+    hf_model, _ = load_causal_lm(args.model, "float32", native=False)  # generate's: transformers'
     uniform = workload(args.requests, "uniform", args.short, args.long, args.long_every)
     mixed = workload(args.requests, "mixed", args.short, args.long, args.long_every)
     with open("/proc/loadavg") as f:
@@ -178,7 +179,8 @@ def main() -> None:
     res = {}
     for lname, lengths in (("uniform", uniform), ("mixed", mixed)):
         for sname, sp in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            res[f"{lname}_{sname}"] = compare(args, model, tok, f"{lname} {sname}", lengths, sp)
+            res[f"{lname}_{sname}"] = compare(args, model, hf_model, tok, f"{lname} {sname}",
+                                              lengths, sp)
     print("in-flight sync: 3 weight updates during the mixed sampled workload", flush=True)
     sync = asyncio.run(sync_pause(args, model, tok, mixed))
     budget = sync["step_median_s"] + sync["swap_s"]

@@ -78,6 +78,9 @@ class EngineSection(_S):
     weight_update: Literal["auto", "inflight", "drain"] = "auto"
     # torch backend: MB of K/V that finished sequences leave for the next turn (LRU); 0 = off
     prefix_cache_mb: Annotated[float, Meta(ge=0.0, le=1048576.0)] = 256.0
+    # torch backend: plain Llama checkpoints run on the engine's own modules, loaded without
+    # transformers' modeling code (~3 CPU s less per replica start); false = transformers'
+    native_llama: bool = True
     # torch backend: pin every replica's threads to these CPU cores (Linux); [] = no pinning.
     # Keeps an engine off the trainer's cores (or emulates separate machines on one host)
     cpu_affinity: list[Annotated[int, Meta(ge=0, le=65535)]] = msgspec.field(default_factory=list)

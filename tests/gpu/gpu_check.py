@@ -168,7 +168,9 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
     ps = prompts(args.model)
     new = perturbation(args.model)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 2))
-    ref = TorchBackend(EngineSection(max_batch_size=64), ModelSection(path=args.model))
+    # transformers' modules: `compare` teacher-forces through the HF model's own forward
+    ref = TorchBackend(EngineSection(max_batch_size=64, native_llama=False),
+                       ModelSection(path=args.model))
     t0 = time.perf_counter()
     eng = build_engine_backend(
         EngineSection(backend=args.engine, max_batch_size=64,

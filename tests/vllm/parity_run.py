@@ -106,7 +106,8 @@ async def main(model: str) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model))
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     cfg = (EngineSection(max_batch_size=8), ModelSection(path=model, max_model_len=512))
-    torch_b = TorchBackend(*cfg)
+    # transformers' modules: `score` teacher-forces through the HF model's own forward
+    torch_b = TorchBackend(EngineSection(max_batch_size=8, native_llama=False), cfg[1])
     vllm_b = VLLMBackend(*cfg)
     res: dict[str, Any] = {"model": model, "prompts": prompts}
     try:

@@ -46,9 +46,10 @@ import torch
 
 from rl360.policies.affinity import pin_to_cpus
 from rl360.policies.devices import place_for_generation, select_device
-from rl360.policies.loading import resolve_model_path
+from rl360.policies.loading import load_tokenizer, resolve_model_path
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
+from rl360.serve.engines.native_llama import load_native_llama, native_config
 from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.sampling import processed_logprobs, sample_rows
 from rl360.serve.engines.torch_model import LlamaRunner
@@ -91,14 +92,20 @@ class _Update:
     arrived: float = 0.0  # perf_counter when it was queued
 
 
-def load_causal_lm(model: str, dtype: str, num_gpus: float = 0.0) -> tuple[Any, Any]:
+def load_causal_lm(model: str, dtype: str, num_gpus: float = 0.0,
+                   native: bool = True) -> tuple[Any, Any]:
     """The model (on the reserved GPU when num_gpus > 0, see rl360.policies.devices) and
-    its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    its tokenizer. `native`: a plain Llama checkpoint loads into the engine's own modules
+    (native_llama.py: no transformers modeling import, ~3 CPU s of a replica's start-up);
+    other models, or native = False, through transformers."""
     placement = select_device(num_gpus, dtype, gpus_key="engine.num_gpus", dtype_key="model.dtype")
     path = resolve_model_path(model)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(str(path))
+    cfg = native_config(path) if native else None
+    if cfg is not None:
+        return load_native_llama(path, cfg, placement.dtype, placement.device), tok
+    from transformers import AutoModelForCausalLM
+
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[dtype])
     lm = place_for_generation(lm, placement)
     lm.eval()
@@ -119,7 +126,8 @@ class TorchBackend:
         # "auto" is in-flight here (the recipe refuses "inflight" for backends that drain)
         self.weight_update = "drain" if engine.weight_update == "drain" else "inflight"
         if model is None:
-            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype, engine.num_gpus)
+            model, tokenizer = load_causal_lm(model_cfg.path, model_cfg.dtype, engine.num_gpus,
+                                              native=engine.native_llama)
         self.model = model
         self.tokenizer = tokenizer
         self.runner = LlamaRunner(model)

@@ -7,7 +7,8 @@ a plain view). `forward` runs any number of rows, each with its own start positi
 length (a decode step is every row with one query; a prefill is new rows with their prompt
 suffixes, right-padded), writes their K/V into the slots and returns the last valid query's
 logits per row. It calls the model's own modules (projections, norms, rotary embedding,
-MLP), so weights loaded into the HF model are what it runs.
+MLP), so weights loaded into the model are what it runs: an HF model, or the same module tree
+built without transformers' modeling code (native_llama.py, for plain Llama checkpoints).
 """
 
 from __future__ import annotations
@@ -16,11 +17,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 # HF model types whose decoder layers have the Llama shape (q/k/v/o projections, RoPE,
 # pre-norm attention and MLP; qwen3 adds per-head q/k norms, qwen2 projection biases)
 LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q, k [B, heads, T, D] with cos, sin [B, T, D] (HF's rotate-half layout; here
+    so the engine never imports transformers' modeling code)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def check_supported(model: Any) -> None:

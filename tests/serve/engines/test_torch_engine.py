@@ -14,7 +14,13 @@ from rl360.types import SamplingParams
 
 @pytest.fixture(scope="module")
 def lm(tiny_dir):  # type: ignore[no-untyped-def]
-    return load_causal_lm(str(tiny_dir), "float32")
+    return load_causal_lm(str(tiny_dir), "float32")  # the engine's own Llama modules
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_dir):  # type: ignore[no-untyped-def]
+    """transformers' model of the same checkpoint: the teacher-forcing reference."""
+    return load_causal_lm(str(tiny_dir), "float32", native=False)[0]
 
 
 def make_backend(lm, **kw) -> TorchBackend:  # type: ignore[no-untyped-def]
@@ -39,7 +45,7 @@ def teacher_forced_logprobs(model, prompt: list[int], out: list[int]) -> list[fl
     return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
 
 
-async def test_logprobs_match_teacher_forcing_in_a_ragged_batch(lm) -> None:  # type: ignore[no-untyped-def]
+async def test_logprobs_match_teacher_forcing_in_a_ragged_batch(lm, hf) -> None:  # type: ignore[no-untyped-def]
     be = make_backend(lm, batch_wait_ms=50)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [40, 41], list(range(60, 90))]
     sp = SamplingParams(temperature=1.0, max_tokens=24, seed=3)
@@ -47,7 +53,7 @@ async def test_logprobs_match_teacher_forcing_in_a_ragged_batch(lm) -> None:  # 
     assert be.health()["batches"] == 1, "the three requests should have run as one batch"
     for p, g in zip(prompts, gens, strict=True):
         assert len(g.token_ids) == len(g.logprobs) == 24
-        ref = teacher_forced_logprobs(lm[0], p, g.token_ids)
+        ref = teacher_forced_logprobs(hf, p, g.token_ids)
         assert max(abs(a - b) for a, b in zip(ref, g.logprobs, strict=True)) <= 1e-4
 
 
@@ -60,7 +66,7 @@ async def test_greedy_batched_equals_one_at_a_time(lm) -> None:  # type: ignore[
     assert [g.token_ids for g in together] == [g.token_ids for g in alone]
 
 
-async def test_seed_reproducible_and_truncation_logprob_is_of_sampling_distribution(lm) -> None:  # type: ignore[no-untyped-def]
+async def test_seed_reproducible_and_truncation_logprob_is_of_sampling_distribution(lm, hf) -> None:  # type: ignore[no-untyped-def]
     be = make_backend(lm)
     sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=16, seed=11)
     a = await be.generate([1, 2, 3], sp)
@@ -71,11 +77,10 @@ async def test_seed_reproducible_and_truncation_logprob_is_of_sampling_distribut
     assert c.token_ids != a.token_ids
     # truncated distributions put all mass on <= 5 tokens: each logprob >= log(1/5)-ish bound
     # is not guaranteed, but every sampled token must be inside the top-5 of the raw logits
-    model = lm[0]
     ids = [1, 2, 3]
     for t in a.token_ids:
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            logits = hf(input_ids=torch.tensor([ids])).logits[0, -1]
         assert t in torch.topk(logits, 5).indices.tolist()
         ids.append(t)
     assert all(lp <= 0.0 for lp in a.logprobs)

@@ -1,0 +1,214 @@
+"""The torch engine's own Llama modules: the weights of an HF Llama checkpoint, loaded without
+transformers' modeling code.
+
+`LlamaRunner` (torch_model.py) calls a model's modules one by one (embedding, norms,
+projections, MLP, rotary table, head) over its slot KV cache; it never calls the HF model's
+`forward`. Importing transformers' Llama modeling costs ~3 CPU seconds (it pulls in
+torch._dynamo, torch.distributed.tensor, the hub-kernel and masking machinery), the largest
+part of an engine replica's start-up on a small machine, where the replica is the last part a
+run waits for. These modules are the same computations in the same order (HF's RMSNorm, SiLU
+MLP and default RoPE), with the same parameter names, so weight sync, slots served in place and
+checkpoints see the same state dict; `tests/serve/engines/test_native_llama.py` checks the
+logits against transformers' model, bit for bit on the tiny presets.
+
+Only plain Llama configs load here (`native_config` says which: model_type "llama", SiLU,
+default RoPE, no biases); anything else goes through transformers (`load_causal_lm`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class NativeLlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    eos_token_id: Any = None
+    pad_token_id: Any = None
+
+
+def _rope(raw: dict[str, Any]) -> tuple[str, float] | None:
+    """(rope type, theta) from a config of either transformers generation, None if absent."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    return (kind, float(theta)) if theta is not None else None
+
+
+def native_config(path: str | Path) -> NativeLlamaConfig | None:
+    """The config at `path` when these modules run it exactly, else None."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    rope = _rope(raw)
+    if (raw.get("model_type") != "llama" or raw.get("hidden_act", "silu") != "silu"
+            or rope is None or rope[0] != "default" or raw.get("attention_bias")
+            or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1
+            or not _weight_files(Path(path))):
+        return None
+    heads = int(raw["num_attention_heads"])
+    return NativeLlamaConfig(
+        model_type="llama", vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]), intermediate_size=int(raw["intermediate_size"]),
+        num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=rope[1],
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_id=raw.get("eos_token_id"), pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+class Linear(nn.Linear):
+    """nn.Linear without the initialisation: the checkpoint's weights replace it (building on
+    the meta device instead would import torch._dynamo, ~1 CPU s)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: NativeLlamaConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(h, i, bias=False)
+        self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """The projections (the runner does the attention over its KV cache)."""
+
+    def __init__(self, cfg: NativeLlamaConfig) -> None:
+        super().__init__()
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_proj = Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.scaling = d**-0.5
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: NativeLlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE: (cos, sin) [B, T, head_dim] of positions [B, T], in x's dtype."""
+
+    rope_type = "default"
+
+    def __init__(self, cfg: NativeLlamaConfig) -> None:
+        super().__init__()
+        d = cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64)
+                                             .to(dtype=torch.float) / d))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        inv = inv.to(x.device)
+        pos = position_ids[:, None, :].float()
+        freqs = (inv @ pos).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: NativeLlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+class NativeLlamaForCausalLM(nn.Module):
+    """HF LlamaForCausalLM's module tree and parameter names, for `LlamaRunner` only."""
+
+    def __init__(self, cfg: NativeLlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.name_or_path = ""
+        self.model = Decoder(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def load_native_llama(path: str | Path, cfg: NativeLlamaConfig, dtype: torch.dtype,
+                      device: torch.device) -> NativeLlamaForCausalLM:
+    """The checkpoint at `path` in these modules (every weight the model has must be in the
+    files; a tied head may be absent from them)."""
+    from safetensors.torch import load_file
+
+    model = NativeLlamaForCausalLM(cfg)  # uninitialised storage, replaced below
+    state: dict[str, Tensor] = {}
+    for f in _weight_files(Path(path)):
+        state.update(load_file(str(f)))
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    own = {k for k, _ in model.named_parameters()}  # one name per tied tensor
+    missing, unexpected = own - set(state), set(state) - own
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match a Llama of this config (missing "
+                         f"{sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.name_or_path = str(path)  # as an HF model says where it came from
+    return model.to(device).eval()
