@@ -302,6 +302,10 @@ class TrainerSection(_S):
     # of rows, instead of the logits of every position (rl360/policies/token_logprobs.py);
     # models whose head is not a plain Linear, and fsdp, use the full logits either way
     fused_logprobs: bool = True
+    # torch: a plain Llama checkpoint trains on our own modules (policies/native_llama.py, no
+    # transformers modeling import: ~3 CPU s less start-up); false = transformers' model. Off
+    # by itself with gradient_checkpointing or attention_mask, and for fsdp
+    native_llama: bool = True
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "drgrpo"
     # optimizer steps per rollout batch: `epochs` passes over it in `minibatches` parts; with
     # more than one step the PPO ratio is current/proximal (the weights when the batch began)

@@ -61,6 +61,7 @@ class FSDPTrainer(TorchTrainer):
     """`TorchTrainer` with FSDP2-sharded weights, gradients and optimizer state."""
 
     collective_checkpoint = True  # every rank takes part in save (the trainer group asks all)
+    native_model_ok = False  # transformers' model: FSDP2 wraps its decoder layers
 
     def __init__(self, config: TrainerSection, model_path: str | Path, **kwargs: Any) -> None:
         """As `TorchTrainer` (the trainer group's process group is the FSDP group)."""
@@ -75,11 +76,11 @@ class FSDPTrainer(TorchTrainer):
 
     # ------------------------------------------------------------------ sharding
 
-    def _load_pretrained(self) -> Any:
+    def _load_pretrained(self, path: Path | None = None) -> Any:
         """Rank 0 reads the weights; the other ranks build the model on the meta device (no
         memory) and receive their shards from rank 0 in `_place`."""
         if self.rank == 0:
-            return super()._load_pretrained()
+            return super()._load_pretrained(path)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path),
                                                     dtype=torch.float32)

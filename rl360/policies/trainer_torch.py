@@ -36,6 +36,7 @@ from rl360.policies.affinity import pin_to_cpus, set_niceness
 from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validate_samples
 from rl360.policies.devices import Placement, select_device
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
+from rl360.policies.native_llama import load_native_llama, native_config
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
 from rl360.policies.token_logprobs import linear_logprobs, plain_head
 from rl360.recipe import TrainerSection
@@ -48,6 +49,8 @@ _BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
 
 
 class TorchTrainer:
+    native_model_ok = True  # may hold our own Llama modules (backends that shard: False)
+
     def __init__(self, config: TrainerSection, model_path: str | Path, *,
                  temperature: float = 1.0, seed: int = 0) -> None:
         """`temperature`: the engines' sampling temperature (logits are divided by it, as the
@@ -134,11 +137,21 @@ class TorchTrainer:
         self.reducer: Reducer = build_reducer(config.loss.reducer, config.loss.norm_length)
         self.reference: Any = None
 
-    def _load_pretrained(self) -> Any:
-        """The HF model at model_path in fp32 (backends that shard may skip the weights)."""
+    def _load_pretrained(self, path: Path | None = None) -> Any:
+        """The model at `path` (default model_path) in fp32 on the CPU: our own Llama modules
+        (policies/native_llama.py: no transformers modeling import, ~3 CPU s of start-up) for a
+        plain Llama checkpoint when `trainer.native_llama` and the backend allow it and neither
+        gradient checkpointing nor an explicit padding mask is asked for; else transformers'.
+        Backends that shard may skip the weights."""
+        path = path or self.model_path
+        c = self.config
+        cfg = (native_config(path) if self.native_model_ok and c.native_llama
+               and not c.gradient_checkpointing and not c.attention_mask else None)
+        if cfg is not None:
+            return load_native_llama(path, cfg, torch.float32, torch.device("cpu"))
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
     def _place(self, model: Any) -> Any:
         """Put a freshly loaded fp32 model where it computes (backends that shard override)."""
@@ -449,12 +462,10 @@ class TorchTrainer:
 
     def load(self, in_dir: str | Path) -> None:
         """Restore weights, optimizer, scheduler, step and RNG state written by `save`."""
-        from transformers import AutoModelForCausalLM
-
         src = Path(in_dir)
         if not (src / STATE_FILE).is_file():
             raise FileNotFoundError(f"{src} has no {STATE_FILE}: not a trainer checkpoint")
-        loaded = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        loaded = self._load_pretrained(src)
         with torch.no_grad():
             self.model.load_state_dict(loaded.state_dict(), strict=True)
         del loaded

@@ -88,8 +88,9 @@ def test_no_rows_gives_empty_outputs_that_still_backpropagate() -> None:
 
 
 def test_plain_head_only_for_known_bias_free_heads(tiny_dir: Path) -> None:
-    t = TorchTrainer(TrainerSection(), tiny_dir)
-    assert plain_head(t.model) is t.model.get_output_embeddings()
+    for native in (True, False):  # our Llama modules and transformers' model
+        t = TorchTrainer(TrainerSection(native_llama=native), tiny_dir)
+        assert plain_head(t.model) is t.model.get_output_embeddings()
     t.model.config.model_type = "gemma2"  # soft-capped logits: the full path
     assert plain_head(t.model) is None
 

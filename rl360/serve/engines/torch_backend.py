@@ -47,9 +47,9 @@ import torch
 from rl360.policies.affinity import pin_to_cpus
 from rl360.policies.devices import place_for_generation, select_device
 from rl360.policies.loading import load_tokenizer, resolve_model_path
+from rl360.policies.native_llama import load_native_llama, native_config
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
-from rl360.serve.engines.native_llama import load_native_llama, native_config
 from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.sampling import processed_logprobs, sample_rows
 from rl360.serve.engines.torch_model import LlamaRunner

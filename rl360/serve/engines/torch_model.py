@@ -18,22 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rl360.policies.native_llama import apply_rotary_pos_emb
+
 # HF model types whose decoder layers have the Llama shape (q/k/v/o projections, RoPE,
 # pre-norm attention and MLP; qwen3 adds per-head q/k norms, qwen2 projection biases)
 LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q, k [B, heads, T, D] with cos, sin [B, T, D] (HF's rotate-half layout; here
-    so the engine never imports transformers' modeling code)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def check_supported(model: Any) -> None:

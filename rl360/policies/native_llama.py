@@ -1,18 +1,20 @@
-"""The torch engine's own Llama modules: the weights of an HF Llama checkpoint, loaded without
-transformers' modeling code.
+"""Our own Llama modules: an HF Llama checkpoint loaded without transformers' modeling code,
+for the torch engine and the torch trainer.
 
-`LlamaRunner` (torch_model.py) calls a model's modules one by one (embedding, norms,
-projections, MLP, rotary table, head) over its slot KV cache; it never calls the HF model's
-`forward`. Importing transformers' Llama modeling costs ~3 CPU seconds (it pulls in
-torch._dynamo, torch.distributed.tensor, the hub-kernel and masking machinery), the largest
-part of an engine replica's start-up on a small machine, where the replica is the last part a
-run waits for. These modules are the same computations in the same order (HF's RMSNorm, SiLU
-MLP and default RoPE), with the same parameter names, so weight sync, slots served in place and
-checkpoints see the same state dict; `tests/serve/engines/test_native_llama.py` checks the
-logits against transformers' model, bit for bit on the tiny presets.
+Importing transformers' Llama modeling costs ~3 CPU seconds (it pulls in torch._dynamo,
+torch.distributed.tensor, the hub-kernel and masking machinery) in every process that holds the
+policy: the engine replica, whose start-up a run waits for last, and the trainer, which starts
+beside it on the same cores. These modules are the same computations in the same order (HF's
+RMSNorm, SiLU MLP, default RoPE, SDPA causal attention), with the same parameter names, so
+weight sync, slots served in place and checkpoints see the same state dict, and `save_pretrained`
+writes a checkpoint transformers loads. The engine's `LlamaRunner` (serve/engines/torch_model.py)
+calls the modules one by one over its slot KV cache; the trainer calls `forward` (logits) or
+`get_decoder()` (hidden states, for `token_logprobs`). `tests/policies/test_native_llama.py`
+checks the engine's logits against transformers' bit for bit (tiny presets, SmolLM2) and a
+trainer step against the HF model's.
 
 Only plain Llama configs load here (`native_config` says which: model_type "llama", SiLU,
-default RoPE, no biases); anything else goes through transformers (`load_causal_lm`).
+default RoPE, no biases); anything else goes through transformers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ class NativeLlamaConfig:
     tie_word_embeddings: bool
     eos_token_id: Any = None
     pad_token_id: Any = None
+    raw: tuple[tuple[str, Any], ...] = ()  # config.json as read (written back by save_pretrained)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.raw)
 
 
 def _rope(raw: dict[str, Any]) -> tuple[str, float] | None:
@@ -73,6 +79,7 @@ def native_config(path: str | Path) -> NativeLlamaConfig | None:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=rope[1],
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_id=raw.get("eos_token_id"), pad_token_id=raw.get("pad_token_id"),
+        raw=tuple(raw.items()),
     )
 
 
@@ -123,17 +130,41 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """RoPE on q, k [B, heads, T, D] with cos, sin [B, T, D] (HF's rotate-half layout)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
 class Attention(nn.Module):
-    """The projections (the runner does the attention over its KV cache)."""
+    """The projections; `forward` is causal self-attention over whole rows (the trainer's
+    forward; the engine's runner does its own over the KV cache)."""
 
     def __init__(self, cfg: NativeLlamaConfig) -> None:
         super().__init__()
         d, h = cfg.head_dim, cfg.hidden_size
+        self.head_dim = d
+        self.gqa = cfg.num_key_value_heads != cfg.num_attention_heads
         self.q_proj = Linear(h, cfg.num_attention_heads * d, bias=False)
         self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=False)
         self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=False)
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
         self.scaling = d**-0.5
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t = x.shape[:2]
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0, scale=self.scaling,
+                                                       is_causal=t > 1, enable_gqa=self.gqa)
+        return self.o_proj(o.transpose(1, 2).contiguous().reshape(b, t, -1).contiguous())
 
 
 class DecoderLayer(nn.Module):
@@ -143,6 +174,18 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Output:
+    """What the trainer reads of an HF model's output."""
+
+    last_hidden_state: Tensor | None = None
+    logits: Tensor | None = None
 
 
 class RotaryEmbedding(nn.Module):
@@ -170,14 +213,34 @@ class RotaryEmbedding(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, cfg: NativeLlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        pad = cfg.pad_token_id  # its embedding row gets no gradient from lookups, as in HF's
+        self.embed_tokens = Embedding(
+            cfg.vocab_size, cfg.hidden_size,
+            padding_idx=pad if isinstance(pad, int) and 0 <= pad < cfg.vocab_size else None)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
 
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, use_cache: bool = False) -> Output:
+        """Hidden states after the final norm, [B, T, H], of right-padded rows (causal: a real
+        token never attends to a later pad, so no padding mask is needed or taken)."""
+        if attention_mask is not None:
+            raise ValueError("the native Llama forward takes no attention_mask (right padding "
+                             "only); set trainer.attention_mask = false or native_llama = false")
+        x = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=x.device)[None]
+        cos, sin = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return Output(last_hidden_state=self.norm(x))
+
 
 class NativeLlamaForCausalLM(nn.Module):
-    """HF LlamaForCausalLM's module tree and parameter names, for `LlamaRunner` only."""
+    """HF LlamaForCausalLM's module tree, parameter names and the parts of its interface the
+    engine and the trainer use (`forward` -> `.logits`, `get_decoder`, `get_output_embeddings`,
+    `save_pretrained`)."""
 
     def __init__(self, cfg: NativeLlamaConfig) -> None:
         super().__init__()
@@ -188,11 +251,37 @@ class NativeLlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def get_decoder(self) -> Decoder:
+        return self.model
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, use_cache: bool = False) -> Output:
+        hidden = self.model(input_ids, attention_mask, position_ids).last_hidden_state
+        return Output(logits=self.lm_head(hidden))
+
+    def save_pretrained(self, out: str | Path, safe_serialization: bool = True) -> None:
+        """config.json and model.safetensors as transformers writes them (a tied head left out;
+        the source directory's generation_config.json kept)."""
+        from safetensors.torch import save_file
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.state_dict().items()
+                 if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        src = Path(self.name_or_path) / "generation_config.json"
+        if self.name_or_path and src.is_file() and src.resolve() != (out / src.name).resolve():
+            (out / src.name).write_bytes(src.read_bytes())
+
 
 def load_native_llama(path: str | Path, cfg: NativeLlamaConfig, dtype: torch.dtype,
                       device: torch.device) -> NativeLlamaForCausalLM:
     """The checkpoint at `path` in these modules (every weight the model has must be in the
-    files; a tied head may be absent from them)."""
+    files; a tied head may be absent from them), in eval mode."""
     from safetensors.torch import load_file
 
     model = NativeLlamaForCausalLM(cfg)  # uninitialised storage, replaced below
