@@ -300,7 +300,7 @@ class TrainerSection(_S):
     attention_mask: bool = False
     # torch: logprobs and entropies of the loss tokens only, through the output head in chunks
     # of rows, instead of the logits of every position (rl360/policies/token_logprobs.py);
-    # models whose head is not a plain Linear, and fsdp, use the full logits either way
+    # models whose head is not a plain Linear, fsdp and megatron use the full logits either way
     fused_logprobs: bool = True
     # torch: a plain Llama checkpoint trains on our own modules (policies/native_llama.py, no
     # transformers modeling import: ~3 CPU s less start-up); false = transformers' model. Off

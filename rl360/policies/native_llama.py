@@ -63,12 +63,21 @@ def native_config(path: str | Path) -> NativeLlamaConfig | None:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(raw, dict):
+        return None
     rope = _rope(raw)
     if (raw.get("model_type") != "llama" or raw.get("hidden_act", "silu") != "silu"
             or rope is None or rope[0] != "default" or raw.get("attention_bias")
             or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1
             or not _weight_files(Path(path))):
         return None
+    try:  # a config short of a size: transformers' loader names what is wrong
+        return _parse(raw, rope[1])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _parse(raw: dict[str, Any], theta: float) -> NativeLlamaConfig:
     heads = int(raw["num_attention_heads"])
     return NativeLlamaConfig(
         model_type="llama", vocab_size=int(raw["vocab_size"]),
@@ -76,7 +85,7 @@ def native_config(path: str | Path) -> NativeLlamaConfig | None:
         num_hidden_layers=int(raw["num_hidden_layers"]), num_attention_heads=heads,
         num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // heads),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=rope[1],
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_id=raw.get("eos_token_id"), pad_token_id=raw.get("pad_token_id"),
         raw=tuple(raw.items()),

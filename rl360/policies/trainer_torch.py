@@ -323,10 +323,11 @@ class TorchTrainer:
     def _token_logprobs(self, model: Any, mb: MicroBatch,
                         entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
         """The logprob of every target and the entropy of its distribution, in the padded
-        [B, L-1] layout. With `trainer.fused_logprobs` and a plain output head
+        [B, L-1] layout. With `trainer.fused_logprobs`, a plain output head
         (`token_logprobs.plain_head`) and right-padded rows, only the loss positions go
         through the head, chunked (`linear_logprobs`; 0 elsewhere, which every loss masks);
-        otherwise (packed rows too) from the full logits. `entropy_grad`: the entropy is differentiated (an entropy bonus)."""
+        otherwise (packed rows, megatron) from the full logits. `entropy_grad`: the entropy is
+        differentiated (an entropy bonus)."""
         head = plain_head(model) if self.fused_logprobs and mb.positions is None else None
         if head is None:
             logits = self._logits(model, mb)

@@ -57,6 +57,7 @@ class MegatronTrainer(TorchTrainer):
         from transformers import AutoConfig
 
         self._init_common(config, model_path, temperature, seed)
+        self.fused_logprobs = False  # its output layer is vocabulary-parallel: `_logits` below
         self.parallel = ParallelConfig.of(config)
         support = TRAINER_SUPPORT["megatron"]  # what `rl360 plan` checked the recipe against
         for key, size in (("tensor_parallel", self.parallel.tensor),
