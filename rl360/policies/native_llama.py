@@ -1,10 +1,11 @@
 """Our own Llama modules: an HF Llama checkpoint loaded without transformers' modeling code,
 for the torch engine and the torch trainer.
 
-Importing transformers' Llama modeling costs ~3 CPU seconds (it pulls in torch._dynamo,
+Importing transformers' Llama modeling takes ~3 s on top of torch (it pulls in torch._dynamo,
 torch.distributed.tensor, the hub-kernel and masking machinery) in every process that holds the
 policy: the engine replica, whose start-up a run waits for last, and the trainer, which starts
-beside it on the same cores. These modules are the same computations in the same order (HF's
+beside it on the same cores. Without it (the tokenizer still imports part of transformers) an
+engine replica's import + load went from 5.3 to 3.1 CPU s, a trainer's from 6.4 to 4.9. These modules are the same computations in the same order (HF's
 RMSNorm, SiLU MLP, default RoPE, SDPA causal attention), with the same parameter names, so
 weight sync, slots served in place and checkpoints see the same state dict, and `save_pretrained`
 writes a checkpoint transformers loads. The engine's `LlamaRunner` (serve/engines/torch_model.py)

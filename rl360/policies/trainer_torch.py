@@ -139,8 +139,8 @@ class TorchTrainer:
 
     def _load_pretrained(self, path: Path | None = None) -> Any:
         """The model at `path` (default model_path) in fp32 on the CPU: our own Llama modules
-        (policies/native_llama.py: no transformers modeling import, ~3 CPU s of start-up) for a
-        plain Llama checkpoint when `trainer.native_llama` and the backend allow it and neither
+        (policies/native_llama.py: no transformers modeling import, ~1.5 CPU s of start-up)
+        for a plain Llama checkpoint when `trainer.native_llama` and the backend allow it and neither
         gradient checkpointing nor an explicit padding mask is asked for; else transformers'.
         Backends that shard may skip the weights."""
         path = path or self.model_path
