@@ -1,18 +1,18 @@
-"""Our own Llama modules: an HF Llama checkpoint loaded without transformers' modeling code,
-for the torch engine and the torch trainer.
+"""Our own Llama modules: an HF Llama checkpoint loaded without transformers' modeling code, for
+the torch engine and the torch trainer.
 
 Importing transformers' Llama modeling takes ~3 s on top of torch (it pulls in torch._dynamo,
 torch.distributed.tensor, the hub-kernel and masking machinery) in every process that holds the
 policy: the engine replica, whose start-up a run waits for last, and the trainer, which starts
 beside it on the same cores. Without it (the tokenizer still imports part of transformers) an
-engine replica's import + load went from 5.3 to 3.1 CPU s, a trainer's from 6.4 to 4.9. These modules are the same computations in the same order (HF's
-RMSNorm, SiLU MLP, default RoPE, SDPA causal attention), with the same parameter names, so
-weight sync, slots served in place and checkpoints see the same state dict, and `save_pretrained`
-writes a checkpoint transformers loads. The engine's `LlamaRunner` (serve/engines/torch_model.py)
-calls the modules one by one over its slot KV cache; the trainer calls `forward` (logits) or
-`get_decoder()` (hidden states, for `token_logprobs`). `tests/policies/test_native_llama.py`
-checks the engine's logits against transformers' bit for bit (tiny presets, SmolLM2) and a
-trainer step against the HF model's.
+engine replica's import + load went from 5.3 to 3.1 CPU s, a trainer's from 6.4 to 4.9. These
+modules are the same computations in the same order (HF's RMSNorm, SiLU MLP, default RoPE, SDPA
+causal attention), with the same parameter names, so weight sync, slots served in place and
+checkpoints see the same state dict, and `save_pretrained` writes a checkpoint transformers
+loads. The engine's `LlamaRunner` (serve/engines/torch_model.py) calls the modules one by one
+over its slot KV cache; the trainer calls `forward` (logits) or `get_decoder()` (hidden states,
+for `token_logprobs`). `tests/policies/test_native_llama.py` checks the engine's logits against
+transformers' bit for bit (tiny presets, SmolLM2) and a trainer step against the HF model's.
 
 Only plain Llama configs load here (`native_config` says which: model_type "llama", SiLU,
 default RoPE, no biases); anything else goes through transformers.
@@ -66,15 +66,15 @@ def native_config(path: str | Path) -> NativeLlamaConfig | None:
         return None
     if not isinstance(raw, dict):
         return None
-    rope = _rope(raw)
-    if (raw.get("model_type") != "llama" or raw.get("hidden_act", "silu") != "silu"
-            or rope is None or rope[0] != "default" or raw.get("attention_bias")
-            or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1
-            or not _weight_files(Path(path))):
-        return None
-    try:  # a config short of a size: transformers' loader names what is wrong
+    try:  # a config short of a size, a broken index: transformers' loader names what is wrong
+        rope = _rope(raw)
+        if (raw.get("model_type") != "llama" or raw.get("hidden_act", "silu") != "silu"
+                or rope is None or rope[0] != "default" or raw.get("attention_bias")
+                or raw.get("mlp_bias") or raw.get("pretraining_tp", 1) != 1
+                or not _weight_files(Path(path))):
+            return None
         return _parse(raw, rope[1])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 

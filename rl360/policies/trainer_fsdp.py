@@ -62,6 +62,7 @@ class FSDPTrainer(TorchTrainer):
 
     collective_checkpoint = True  # every rank takes part in save (the trainer group asks all)
     native_model_ok = False  # transformers' model: FSDP2 wraps its decoder layers
+    fused_head_ok = False  # the head's weight is a shard outside its module's forward
 
     def __init__(self, config: TrainerSection, model_path: str | Path, **kwargs: Any) -> None:
         """As `TorchTrainer` (the trainer group's process group is the FSDP group)."""
@@ -70,8 +71,6 @@ class FSDPTrainer(TorchTrainer):
             dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo",
                                     store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(config, model_path, **kwargs)
-        # the output head's weight is a shard outside its module's forward: full logits
-        self.fused_logprobs = False
         self._full: dict[str, Tensor] = self._gather()
 
     # ------------------------------------------------------------------ sharding

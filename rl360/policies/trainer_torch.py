@@ -50,6 +50,7 @@ _BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
 
 class TorchTrainer:
     native_model_ok = True  # may hold our own Llama modules (backends that shard: False)
+    fused_head_ok = True  # may run loss positions through the head alone (`_token_logprobs`)
 
     def __init__(self, config: TrainerSection, model_path: str | Path, *,
                  temperature: float = 1.0, seed: int = 0) -> None:
@@ -111,8 +112,8 @@ class TorchTrainer:
         self.temperature = temperature
         self.seed = seed
         # loss positions only through a plain output head (backends whose head weight is
-        # sharded outside its own forward turn it off)
-        self.fused_logprobs = config.fused_logprobs
+        # sharded outside its own forward set fused_head_ok = False)
+        self.fused_logprobs = config.fused_logprobs and self.fused_head_ok
         self.model_path = Path(model_path)
         pin_to_cpus(config.cpu_affinity, "trainer.cpu_affinity")
         set_niceness(config.nice, "trainer.nice")

@@ -52,12 +52,13 @@ _HF_CONFIG_FILES = ("config.json", "generation_config.json")
 
 
 class MegatronTrainer(TorchTrainer):
+    fused_head_ok = False  # its output layer is vocabulary-parallel: `_logits` below
+
     def __init__(self, config: TrainerSection, model_path: str | Path, *,
                  temperature: float = 1.0, seed: int = 0) -> None:
         from transformers import AutoConfig
 
         self._init_common(config, model_path, temperature, seed)
-        self.fused_logprobs = False  # its output layer is vocabulary-parallel: `_logits` below
         self.parallel = ParallelConfig.of(config)
         support = TRAINER_SUPPORT["megatron"]  # what `rl360 plan` checked the recipe against
         for key, size in (("tensor_parallel", self.parallel.tensor),
