@@ -200,14 +200,6 @@ class TrainRun:
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
                                         recipe.engine.replicas, dtype=recipe.model.dtype,
                                         inplace=recipe.engine.backend == "torch")
-            self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
-                                    msgspec.to_builtins(recipe), resume=self.ckpt is not None)
-            self.first_domain = first_values(self.sink.rows)
-            self.traj_log = TrajectoryLog(self.run_dir / "trajectories.jsonl",
-                                          tr.log_trajectories, str(model_path), recipe.run.seed)
-            assert stack.pool is not None
-            self.evaluator = TrainEval(tr.eval_every, self.eval_tasks, stack.pool.actors,
-                                       msgspec.to_builtins(recipe.eval.sampling))
             try:
                 if self.ckpt is not None:
                     ray.get(actors.buffer.load_state.remote(
@@ -221,6 +213,9 @@ class TrainRun:
                                                        pending, self.meta.get("pending_occ"),
                                                        int(self.meta.get("seq", 0)),
                                                        self.meta.get("parking")))
+                # the metrics sink (wandb's import and init: ~2 s on 2 cores) is built while the
+                # first batch generates: nothing before the first step needs it
+                self.start_logs(stack, model_path)
                 self.loop(stack, actors, transport)
                 self._last_eval()
             except ray.exceptions.RayTaskError as exc:
@@ -243,12 +238,25 @@ class TrainRun:
                     ray.get(actors.controller.stop.remote(), timeout=30)
                 except Exception as exc:
                     print(f"rl360: controller stop: {exc!r}", file=sys.stderr)
-                png = self.sink.close()
+                png = self.sink.close() if self.sink is not None else None
                 actors.trainer.shutdown()  # env actors, Serve app, placement groups: running_stack
                 if png:
                     print(f"rl360: reward curve -> {png}")
-        _print_curve(self.sink.rows)
+        if self.sink is not None:
+            _print_curve(self.sink.rows)
         return 0
+
+    def start_logs(self, stack: Stack, model_path: Path) -> None:
+        """The metrics sink (wandb), the trajectory log and the periodic evaluation."""
+        recipe, tr = self.recipe, self.recipe.train
+        self.sink = MetricsSink(self.run_dir, recipe.run.name, tr.steps, tr.wandb,
+                                msgspec.to_builtins(recipe), resume=self.ckpt is not None)
+        self.first_domain = first_values(self.sink.rows)
+        self.traj_log = TrajectoryLog(self.run_dir / "trajectories.jsonl",
+                                      tr.log_trajectories, str(model_path), recipe.run.seed)
+        assert stack.pool is not None
+        self.evaluator = TrainEval(tr.eval_every, self.eval_tasks, stack.pool.actors,
+                                   msgspec.to_builtins(recipe.eval.sampling))
 
     # ------------------------------------------------------------------ the step loop
 

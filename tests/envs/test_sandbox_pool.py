@@ -4,12 +4,14 @@ that outlived its grading) or after max_uses."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from rl360.envs.agent import ScriptedClient, run_episode
 from rl360.envs.code import CodeEnv
 from rl360.envs.sandbox import SandboxLimits, build_sandbox
+from rl360.envs.sandbox.base import ExecResult, Protections, Sandbox, SandboxStartError
 from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
 from rl360.types import Message, Task
 
@@ -91,3 +93,65 @@ async def test_gradings_leave_no_process_behind(bwrap_backend):
         await sb.close()
     finally:
         await pool.close()
+
+
+class _SlowStart(Sandbox):
+    """Counts its starts; each takes a moment (a bwrap start, without bwrap)."""
+
+    backend = "fake"
+    starts = 0
+    fail_next = 0
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        type(self).starts += 1
+        await asyncio.sleep(0.05)
+        if type(self).fail_next:
+            type(self).fail_next -= 1
+            raise SandboxStartError("no room")
+        self.protections = Protections(network="netns")
+        self._started = True
+
+    async def exec(self, cmd: Any, timeout: float | None = None,  # noqa: ASYNC109
+                   cwd: str | None = None, env: Any = None, stdin: Any = None) -> ExecResult:
+        await self.start()
+        return ExecResult("", "", 0)
+
+    async def write_file(self, path: str, data: str | bytes, mode: int | None = None) -> None:
+        await self.start()
+
+    async def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        return b""
+
+    async def close(self) -> None:
+        self._closed = True
+
+
+async def test_episodes_arriving_together_wait_for_one_sandbox_start():
+    """The episodes of a first batch all call start() before their first turn: one sandbox
+    starts for them (not `size` in turns, each blocking the episodes queued behind it), they
+    all get its protections, and later starts answer without a lease."""
+    _SlowStart.starts, _SlowStart.fail_next = 0, 0
+    pool = GradingPool(size=8, max_uses=10)
+    views = [PooledSandbox(pool, "k", _SlowStart) for _ in range(64)]
+    await asyncio.gather(*(v.start() for v in views))
+    assert _SlowStart.starts == 1
+    assert {v.protections.network for v in views} == {"netns"}
+    late = PooledSandbox(pool, "k", _SlowStart)
+    await asyncio.wait_for(late.start(), 0.01)  # no start, no lease
+    assert late.protections.network == "netns" and _SlowStart.starts == 1
+    await pool.close()
+
+
+async def test_a_failed_shared_start_fails_only_its_own_episode():
+    """The episode whose start failed sees the error; the ones that waited on it start one of
+    their own instead of failing with it."""
+    _SlowStart.starts, _SlowStart.fail_next = 0, 1
+    pool = GradingPool(size=8, max_uses=10)
+    views = [PooledSandbox(pool, "k", _SlowStart) for _ in range(4)]
+    res = await asyncio.gather(*(v.start() for v in views), return_exceptions=True)
+    failed = [r for r in res if isinstance(r, SandboxStartError)]
+    assert len(failed) == 1 and res[0] is failed[0]
+    assert all(v.protections.network == "netns" for v in views[1:])
+    await pool.close()

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl360.envs.sandbox.base import ExecResult, Sandbox, SandboxError
+from rl360.envs.sandbox.base import ExecResult, Protections, Sandbox, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,43 @@ class GradingPool:
         self.sweep_dirs = list(sweep_dirs)
         self.slots: dict[str, _Slot] = {}
         self.counts = {"gradings": 0, "recycled": 0, "anomalies": 0, "stray_procs": 0}
+        # per key: the protections of its first sandbox that started, and that start while it
+        # runs (the episodes that ask meanwhile wait for it instead of each leasing one)
+        self.known: dict[str, Protections] = {}
+        self._first: dict[str, asyncio.Task[Protections]] = {}
+
+    async def warm_start(self, key: str, make: Callable[[], Sandbox]) -> Protections:
+        """A warm sandbox for `key` has started: its protections. The first call per key starts
+        one (nothing runs in it); calls while it starts wait for that start, and later calls
+        answer at once. An episode asks before its first turn, so a batch of episodes arriving
+        together waits for one sandbox start, not for `size` of them in turns; the others start
+        when gradings need them. A waiter whose shared start failed tries one of its own."""
+        if (known := self.known.get(key)) is not None:
+            return known
+        first = self._first.get(key)
+        if first is None:
+            first = asyncio.get_running_loop().create_task(
+                self._start_one(key, make), name=f"rl360-warm-sandbox-{len(self.known)}")
+            self._first[key] = first
+            first.add_done_callback(lambda t: self._first_done(key, t))
+            return await asyncio.shield(first)  # a cancelled episode leaves the start running
+        try:
+            return await asyncio.shield(first)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return await self._start_one(key, make)
+
+    def _first_done(self, key: str, task: asyncio.Task[Protections]) -> None:
+        self._first.pop(key, None)
+        if not task.cancelled() and task.exception() is not None:  # its waiters saw it too
+            log.info("a warm sandbox did not start: %r", task.exception())
+
+    async def _start_one(self, key: str, make: Callable[[], Sandbox]) -> Protections:
+        async with self.lease(key, make, sweep=False) as lease:
+            await lease.sandbox.start()
+            self.known[key] = lease.sandbox.protections
+            return lease.sandbox.protections
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -142,9 +179,7 @@ class PooledSandbox(Sandbox):
         self._check_open()
         if self._started:
             return
-        async with self._pool.lease(self._key, self._maker, sweep=False) as lease:
-            await lease.sandbox.start()
-            self.protections = lease.sandbox.protections
+        self.protections = await self._pool.warm_start(self._key, self._maker)
         self._started = True
 
     async def exec(self, *args: Any, **kwargs: Any) -> ExecResult:  # type: ignore[override]
