@@ -300,7 +300,8 @@ class TrainRun:
             latest.update(stats)
             engines = wstat.get("engines", {})
             engine_idle = _engine_idle(engines, last_engine)
-            engine_busy = _engine_busy(engines, last_engine)
+            engine_busy = _engine_delta(engines, last_engine, "busy_s")
+            shared = _engine_delta(engines, last_engine, "prefills_shared", total=True)
             last_engine = engines
             trained_tokens = batch.loss_tokens
             assert self.sink is not None
@@ -321,6 +322,9 @@ class TrainRun:
                 "staleness_mean": st_mean, "staleness_max": st_max, "staleness_hist": hist,
                 "trainer_idle_frac": t_wait / step_s if step_s else 0.0,
                 "engine_idle_frac": engine_idle,
+                # torch engine: requests whose prompt another request of the same admission
+                # had (a group's members): prefilled once, K/V copied
+                "engine_prefills_shared": shared,
                 # torch engine, in-flight updates: the longest token gap of a running sequence
                 # across a weight swap so far, and the swap / decode step it compares with
                 **_engine_max(engines, ("sync_pause_max_s", "sync_pause_excess_max_s",
@@ -434,11 +438,15 @@ def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any
     return sum(fracs) / len(fracs) if fracs else float("nan")
 
 
-def _engine_busy(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
-    """Seconds the engine replicas spent in model steps since the last step (mean per replica)."""
-    busy = [h["busy_s"] - before[rep]["busy_s"] for rep, h in now.items()
-            if rep in before and "busy_s" in h and "busy_s" in before[rep]]
-    return sum(busy) / len(busy) if busy else float("nan")
+def _engine_delta(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]], key: str,
+                  total: bool = False) -> float:
+    """How much an engine counter (`busy_s`: seconds in model steps) grew since the last step:
+    the mean per replica, or with `total` the sum over them."""
+    grew = [h[key] - before[rep][key] for rep, h in now.items()
+            if rep in before and key in h and key in before[rep]]
+    if not grew:
+        return float("nan")
+    return sum(grew) if total else sum(grew) / len(grew)
 
 
 def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, controller: Any,

@@ -105,6 +105,33 @@ async def test_prefix_cache_hit_gives_the_same_outputs(lm) -> None:  # type: ign
     assert plain.health()["prefix_hits"] == 0
 
 
+async def test_a_groups_identical_prompts_share_one_prefill(lm) -> None:  # type: ignore[no-untyped-def]
+    """A group's members arrive together with one prompt: one prefill serves them (the
+    others' rows get its K/V), and each still samples on its own: the same tokens and logprobs
+    as the same seeded request sent alone."""
+    a, b = list(range(40, 70)), [7, 8, 9, 10, 11]
+    reqs = [(a, 1), (b, 2), (a, 3), (a, 4), (b, 5), (list(range(40, 69)), 6)]
+
+    def sp(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=10, seed=seed)
+
+    alone = []
+    for p, seed in reqs:
+        be = make(lm, prefix_cache_mb=0)
+        alone.append(await be.generate(p, sp(seed)))
+        await be.close()
+    be = make(lm, batch_wait_ms=50, prefix_cache_mb=0)
+    together = await asyncio.gather(*(be.generate(p, sp(seed)) for p, seed in reqs))
+    h = be.health()
+    assert h["batches"] == 1, "the requests should have been admitted together"
+    assert h["prefills_shared"] == 3  # a x 3 and b x 2: two prefills instead of five
+    for one, many in zip(alone, together, strict=True):
+        assert many.token_ids == one.token_ids
+        assert max(abs(x - y) for x, y in zip(many.logprobs, one.logprobs, strict=True)) <= 1e-4
+    assert len({tuple(g.token_ids) for g in together[:1] + together[2:4]}) > 1  # own samples
+    await be.close()
+
+
 def test_prefix_cache_is_lru_by_bytes() -> None:
     kv = lambda n: torch.zeros(1, 2, 1, n, 4)  # noqa: E731  (32 bytes a token)
     cache = PrefixCache(budget_bytes=32 * 75, min_tokens=2)
