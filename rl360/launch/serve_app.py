@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -84,10 +85,13 @@ def base_url(recipe: Recipe) -> str:
 
 
 def start_serving(recipe: Recipe, placement: Placement | None = None,
-                  timeout_s: float = 300.0, clock: StartupClock | None = None) -> ServingHandles:
+                  timeout_s: float = 300.0, clock: StartupClock | None = None,
+                  deployed: Callable[[ServingHandles], None] | None = None) -> ServingHandles:
     """Engines (on `placement`'s rollout options), shards, publisher and session servers
     (service options); without a placement, Ray's default scheduler places them. `clock`
-    gets marks: serve_start (controller and proxy up), serve_app (every replica RUNNING)."""
+    gets marks: serve_start (controller and proxy up), serve_app (every replica RUNNING).
+    `deployed` is called with the handles once the app is deployed, before its replicas run:
+    calls through the engine handle from then on wait for a replica instead of failing."""
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -154,9 +158,13 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         shards=shards,
         publisher=publisher,
     )
-    try:  # serve.run returns once the app runs (or raises when its deploy failed)
+    try:  # deployed, then waited for: `deployed` runs in between (serve.run waits right away)
         t0 = time.monotonic()
-        serve.run(server, name=s.app_name, route_prefix="/", blocking=False)
+        serve.run_many([serve.RunTarget(server, name=s.app_name, route_prefix="/")],
+                       wait_for_ingress_deployment_creation=False,
+                       wait_for_applications_running=False)
+        if deployed is not None:
+            deployed(handles)
         _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))
         ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
         if clock is not None:
@@ -180,7 +188,7 @@ def _wait_running(app_name: str, timeout_s: float) -> None:
             raise RuntimeError(f"serve app {app_name!r} failed to deploy: {st.message}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"serve app {app_name!r} not running after {timeout_s:.0f}s: {status}")
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def stop_serving(handles: ServingHandles) -> None:

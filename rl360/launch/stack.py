@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -72,14 +72,20 @@ def service_specs(recipe: Recipe, search: SearchHandles | None = None) -> dict[s
     return {"search": {"url": url, "timeout_s": s.tool_timeout_s, "default_k": s.default_k}}
 
 
-def _serve_apps(recipe: Recipe, placement: Placement,
-                clock: StartupClock) -> tuple[ServingHandles, SearchHandles | None]:
-    """The Serve apps, in order: rl360 (engines, shards, session server), then search."""
-    serving = start_serving(recipe, placement, clock=clock)
+def _serve_apps(recipe: Recipe, placement: Placement, clock: StartupClock,
+                deployed: Future[ServingHandles]) -> tuple[ServingHandles, SearchHandles | None]:
+    """The Serve apps, in order: rl360 (engines, shards, session server), then search.
+    `deployed` gets the rl360 app's handles once it is deployed (its replicas may still be
+    starting), or once both apps run when there is a search app (an env's search tool must
+    not find its service missing)."""
+    early = deployed.set_result if not recipe.search.index else None
+    serving = start_serving(recipe, placement, clock=clock, deployed=early)
     try:
         search = start_search(recipe, placement)
         if search is not None:
             clock.mark("search_app")
+        if not deployed.done():
+            deployed.set_result(serving)
         return serving, search
     except BaseException:
         stop_serving(serving)
@@ -90,6 +96,7 @@ def _serve_apps(recipe: Recipe, placement: Placement,
 def running_stack(recipe: Recipe, *, env_actors: bool = True,
                   sampling: dict[str, Any] | None = None,
                   early: Callable[[Placement], T] | None = None,
+                  deployed: Callable[[Stack[T]], None] | None = None,
                   clock: StartupClock | None = None) -> Iterator[Stack[T]]:
     """Ray session + placement + Serve apps (+ env actors, with `sampling` as their default).
 
@@ -97,8 +104,11 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
     Serve's controller, proxy and replica starts, waited on) while this thread starts the env
     actors (they find the shards by name, at their first episode) and runs `early(placement)`,
     the caller's own slow starts (`rl360 train`'s trainer ranks); its result is `Stack.early`.
-    Everything is up when the stack is yielded; a failure anywhere stops what did start.
-    `clock` (a new one by default: `Stack.clock`) gets a mark as each part comes up."""
+    Then `deployed(stack)` runs as soon as the rl360 app is deployed, its engine replicas
+    perhaps still loading: work started there that calls the engines waits for them
+    (`rl360 train` starts its rollout there, so the first groups are at the engine when it
+    comes up). Everything is up when the stack is yielded; a failure anywhere stops what did
+    start. `clock` (a new one by default: `Stack.clock`) gets a mark as each part comes up."""
     import ray
 
     clock = clock or StartupClock()
@@ -117,7 +127,8 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
         pool: EnvPool | None = None
         search: SearchHandles | None = None
         apps = ThreadPoolExecutor(1, thread_name_prefix="rl360-serve-start")
-        started = apps.submit(_serve_apps, recipe, placement, clock)
+        ready: Future[ServingHandles] = Future()
+        started = apps.submit(_serve_apps, recipe, placement, clock, ready)
         try:
             try:
                 if env_actors:
@@ -128,6 +139,13 @@ def running_stack(recipe: Recipe, *, env_actors: bool = True,
                 extra = early(placement) if early is not None else None
                 if early is not None:
                     clock.mark("early")
+                if deployed is not None:
+                    wait([ready, started], return_when=FIRST_COMPLETED)
+                    if ready.done():  # else the deploy failed: raised below
+                        if pool is not None:
+                            ray.get(loaded)
+                        deployed(Stack(info=info, placement=placement, serving=ready.result(),
+                                       pool=pool, early=extra, clock=clock))
             finally:  # the apps are up (or failed) before anything goes on or is torn down
                 serving, search = started.result()
                 apps.shutdown()

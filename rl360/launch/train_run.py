@@ -191,11 +191,24 @@ class TrainRun:
         self.ledger = RunLedger(self.run_dir, self.step0 if self.ckpt else None)
         policy = self.ckpt / "model" if self.ckpt else model_path
         clock = StartupClock(self.t_start)
+        # a fresh run starts its rollout once the Serve app is deployed, while the engines load
+        # (the first groups wait at the engine handle); a resumed one first loads its buffer and
+        # publishes its weights, which needs the engines up
+        early_rollout: list[TrainActors] = []
+
+        def deployed(stack: Stack) -> None:
+            early_rollout.append(start_train_actors(recipe, stack, policy))
+            clock.mark("controller")
+            self.start_controller(early_rollout[0])
+
         with running_stack(recipe, sampling=msgspec.to_builtins(tr.sampling),
                            early=lambda placement: start_learners(recipe, placement, policy),
-                           clock=clock) as stack:
-            actors = start_train_actors(recipe, stack, policy)
-            clock.mark("controller")
+                           deployed=None if self.ckpt else deployed, clock=clock) as stack:
+            if early_rollout:
+                actors = early_rollout[0]
+            else:
+                actors = start_train_actors(recipe, stack, policy)
+                clock.mark("controller")
             print(f"rl360: up: {clock.line()}", file=sys.stderr)
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
                                         recipe.engine.replicas, dtype=recipe.model.dtype,
@@ -207,12 +220,8 @@ class TrainRun:
                     transport.publish(self.version)
                     print(f"rl360: resumed from {self.ckpt} (step {self.step0}, policy version "
                           f"{self.version})", file=sys.stderr)
-                pending = msgspec.convert(self.meta.get("pending_tasks", []), list[Task])
-                ray.get(actors.controller.start.remote(int(self.meta.get("groups_started", 0)),
-                                                       int(self.meta.get("tasks_taken", 0)),
-                                                       pending, self.meta.get("pending_occ"),
-                                                       int(self.meta.get("seq", 0)),
-                                                       self.meta.get("parking")))
+                if not early_rollout:
+                    self.start_controller(actors)
                 # the metrics sink (wandb's import and init: ~2 s on 2 cores) is built while the
                 # first batch generates: nothing before the first step needs it
                 self.start_logs(stack, model_path)
@@ -245,6 +254,15 @@ class TrainRun:
         if self.sink is not None:
             _print_curve(self.sink.rows)
         return 0
+
+    def start_controller(self, actors: TrainActors) -> None:
+        """The rollout controller's loop, from the checkpoint's stream position when resuming."""
+        pending = msgspec.convert(self.meta.get("pending_tasks", []), list[Task])
+        ray.get(actors.controller.start.remote(int(self.meta.get("groups_started", 0)),
+                                               int(self.meta.get("tasks_taken", 0)),
+                                               pending, self.meta.get("pending_occ"),
+                                               int(self.meta.get("seq", 0)),
+                                               self.meta.get("parking")))
 
     def start_logs(self, stack: Stack, model_path: Path) -> None:
         """The metrics sink (wandb), the trajectory log and the periodic evaluation."""
