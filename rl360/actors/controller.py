@@ -135,6 +135,11 @@ class RolloutController:
         self.tasks_taken = 0
         self.parking = TaskParking(config.park_after, config.park_passes)
         self.served_version = 0
+        # the buffer's queue length as last read plus the groups queued since: an upper bound
+        # (only the trainer's takes and stale drops shrink it), so admission asks the buffer
+        # only when that bound says the buffer may be near full, not once per group
+        self._queued_bound = 0
+        self._handing = 0  # a group between `inflight` and the buffer (hand-overs take a lock)
         self.done_times: dict[int, list[float]] = collections.defaultdict(list)
         self.counts: collections.Counter[str] = collections.Counter()
         self._wake = asyncio.Event()
@@ -184,6 +189,7 @@ class RolloutController:
             self.started = batch * self.cfg.groups_per_batch
             self.seq = max(self.seq, self.started)
         self._t0, self._seq0 = time.monotonic(), self.seq
+        self._queued_bound = await self.buffer.size.remote()  # a resume's loaded groups
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._run(), name="rl360-rollout-loop")
         self._loop_task.add_done_callback(self._on_done)
@@ -317,11 +323,13 @@ class RolloutController:
                 self.counts["rolling_start_waits"] += 1
                 await self._wait(timeout_s=wave_wait)
                 continue
-            queued = await self.buffer.size.remote()
-            if queued + len(self.inflight) >= self.cfg.capacity_groups:
-                self.counts["backpressure_waits"] += 1
-                await self._wait(timeout_s=0.5)
-                continue
+            if self._queued_bound + len(self.inflight) + self._handing >= self.cfg.capacity_groups:
+                self._queued_bound = await self.buffer.size.remote()
+                if (self._queued_bound + len(self.inflight) + self._handing
+                        >= self.cfg.capacity_groups):
+                    self.counts["backpressure_waits"] += 1
+                    await self._wait(timeout_s=0.5)
+                    continue
             return
 
     def _rolling_wait(self) -> float:
@@ -449,7 +457,12 @@ class RolloutController:
             del self.done_times[old]
         record_bytes = sum(len(msgspec.msgpack.encode(r)) for r in records)
         batch = -1 if self.cfg.oversampling else g.batch
-        queued = await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch)
+        self._handing = 1  # out of `inflight`, perhaps not yet in the buffer: admission counts it
+        try:
+            queued = await self.buffer.add_group.remote(gid, g.task.id, records, [g.refs], batch)
+        finally:
+            self._handing = 0
+        self._queued_bound += bool(queued)
         self._event("settle", g, gid, queued=bool(queued),
                     infra=sum(r.status == "infra_error" for r in records))
         if self.parking.settled(g.task.id, records):

@@ -426,3 +426,43 @@ def test_a_task_without_signal_is_parked_skipped_and_probed(ray_cluster, tasks_f
     parks = [(e["occ"], e["task"]) for e in events if e["ev"] == "park"]
     assert parks[:2] == [(5, "t0"), (10, "t0")]  # stream positions 5 and 10: not lost
     assert status["tasks_parked"] == 1 and status["count/park_skips"] >= 2
+
+
+def test_the_buffer_capacity_holds_and_admission_asks_the_buffer_only_near_it(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
+    """Nothing takes batches: groups stop once queued + in flight reach capacity_groups. Far
+    from it, admission does not ask the buffer for its size once per group."""
+    import ray
+
+    from rl360.actors.buffer import TrajectoryBuffer
+
+    class CountingBuffer(TrajectoryBuffer):
+        sizes = 0
+
+        async def size(self) -> int:
+            CountingBuffer.sizes += 1
+            return await super().size()
+
+        async def size_calls(self) -> int:
+            return CountingBuffer.sizes
+
+    from rl360.actors.controller import RolloutController
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    env = ray.remote(FakeEnvActor).remote()
+    train = checked(TrainSection, tasks=[tasks_file], group_size=2, max_staleness=100,
+                    groups_per_batch=2, max_in_flight_groups=8, shuffle_window=0,
+                    capacity_groups=12)
+    buf = ray.remote(CountingBuffer).remote(train, "drgrpo")
+    ctl = ray.remote(RolloutController).options(max_concurrency=100).remote(
+        train, 1, [env], buf, ray.remote(WeightPublisher).remote())
+    ray.get(ctl.start.remote())
+    deadline = time.time() + 20
+    while ray.get(ctl.status.remote()).get("count/backpressure_waits", 0) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    st = ray.get(ctl.status.remote())
+    assert st["groups_started"] == 12 and st["in_flight_groups"] == 0
+    assert ray.get(buf.size.remote()) == 12
+    # one read at start; then only once the bound (queued + in flight) reached 12: the first
+    # 4 admissions (bound < 12) asked nothing
+    assert ray.get(buf.size_calls.remote()) <= 2 + st["count/backpressure_waits"] + 8
+    ray.get(ctl.stop.remote())
