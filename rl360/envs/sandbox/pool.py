@@ -175,7 +175,9 @@ class PooledSandbox(Sandbox):
             return await getattr(lease.sandbox, op)(*args, **kwargs)
 
     async def start(self) -> None:
-        """Start a warm sandbox (nothing runs in it) and take its protections as this view's."""
+        """A warm sandbox of this view's key has started (the first call per key starts one,
+        nothing runs in it; calls meanwhile wait for that start): its protections become this
+        view's. Holds no lease: the episode's later ops lease whichever sandbox is idle."""
         self._check_open()
         if self._started:
             return
