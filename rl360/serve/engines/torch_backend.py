@@ -512,9 +512,10 @@ class TorchBackend:
                 r.generator = random.Random(seed)
                 r.joined_step = step
                 r.kv_version = version  # the cache holds only K/V of the weights now served
-                r.prefix_len, r.prefix_kv = self.prefix.lookup(r.prompt_ids)
             leaders, copies = same_prompts(admit)
             self._stats["prefills_shared"] += len(admit) - len(leaders)
+            for r in leaders:  # a copy takes its leader's K/V whole: no lookup of its own
+                r.prefix_len, r.prefix_kv = self.prefix.lookup(r.prompt_ids)
             first = old
             for chunk in split_by_length(leaders, key=lambda r: len(r.prompt_ids) - r.prefix_len):
                 longest = max(len(r.prompt_ids) for r in chunk)
@@ -531,7 +532,6 @@ class TorchBackend:
                 rows, src = list(chunk), []
                 for i, r in enumerate(chunk):
                     for c in copies.get(id(r), ()):
-                        c.prefix_kv = None
                         rows.append(c)
                         src.append(i)
                 if src:

@@ -132,6 +132,28 @@ async def test_a_groups_identical_prompts_share_one_prefill(lm) -> None:  # type
     await be.close()
 
 
+async def test_copies_of_a_cached_prompt_take_their_leaders_kv_not_the_cache(lm) -> None:  # type: ignore[no-untyped-def]
+    """The next turn of a group, sent together: the leader reuses the cached prefix once, its
+    copies take its K/V (one cache hit, not one per request), and the outputs match a plain
+    engine's."""
+    cached, plain = make(lm, batch_wait_ms=50), make(lm, batch_wait_ms=50, prefix_cache_mb=0)
+    turn1 = list(range(40, 70))
+    first = await cached.generate(turn1, GREEDY)
+    await plain.generate(turn1, GREEDY)
+    turn2 = turn1 + first.token_ids + [11, 12, 13]
+    sps = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in (1, 2, 3)]
+    hit = await asyncio.gather(*(cached.generate(turn2, sp) for sp in sps))
+    miss = await asyncio.gather(*(plain.generate(turn2, sp) for sp in sps))
+    h = cached.health()
+    assert h["prefix_hits"] == 1 and h["prefills_shared"] == 2
+    assert h["prefix_tokens_reused"] == len(turn1) + len(first.token_ids) - 1
+    for a, b in zip(hit, miss, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-4
+    await cached.close()
+    await plain.close()
+
+
 def test_prefix_cache_is_lru_by_bytes() -> None:
     kv = lambda n: torch.zeros(1, 2, 1, n, 4)  # noqa: E731  (32 bytes a token)
     cache = PrefixCache(budget_bytes=32 * 75, min_tokens=2)
