@@ -88,8 +88,19 @@ class EngineSection(_S):
     # scheduling niceness of every engine replica's threads (Linux; Ray starts its workers at
     # 15, below its raylet/GCS/dashboard at 0). Best effort: lowering it needs CAP_SYS_NICE
     nice: Niceness = 0
+    # torch backend: run the engine (model, batching, sampling) in a child process of the
+    # replica, with its own GIL, so Serve's request handling in the replica does not slow its
+    # decode steps (rl360.serve.engines.core_process). Weight versions then load by copy
+    core_process: bool = False
 
     def __post_init__(self) -> None:
+        if self.core_process and self.backend != "torch":
+            raise ValueError(f"engine.core_process = true runs the torch backend only, not "
+                             f"{self.backend!r} (vLLM and SGLang run their own engine processes)")
+        if self.core_process and self.num_gpus > 0:
+            raise ValueError("engine.core_process = true is CPU only for now (engine.num_gpus = "
+                             f"{self.num_gpus:g}): the GPU weight paths load into the replica's "
+                             "own model")
         if self.weight_update == "inflight" and self.backend in ("vllm", "sglang"):
             how = ("SGLang's own swap modes: engine.options.pause_mode" if self.backend == "sglang"
                    else "vLLM drains running sequences")
@@ -503,6 +514,10 @@ class Recipe(_S):
     train: TrainSection = msgspec.field(default_factory=TrainSection)
 
     def __post_init__(self) -> None:
+        if self.engine.core_process and getattr(self.train.weight_sync, "delta", False):
+            raise ValueError("train.weight_sync.delta = true needs engines that load weights in "
+                             "place; engine.core_process = true loads whole versions (set one "
+                             "of them to false)")
         loss, staleness = self.trainer.loss, self.train.max_staleness
         if staleness > 0 and (loss.name == "reinforce" or loss.tis_cap == 0):
             raise ValueError(

@@ -69,6 +69,10 @@ def build_engine_backend(engine: EngineSection, model: ModelSection, seed: int =
     name = engine.backend
     if name not in BACKENDS:
         raise ValueError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
+    if engine.core_process:  # the torch engine in a child process (checked by EngineSection)
+        from rl360.serve.engines.core_process import CoreProcessBackend
+
+        return CoreProcessBackend(engine, model, seed)
     module_name, _, cls_name = BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)

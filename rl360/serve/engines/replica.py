@@ -103,6 +103,9 @@ class EngineReplica:
         await self.backend.resume()
 
     async def health(self) -> dict[str, Any]:
+        refresh = getattr(self.backend, "refresh_health", None)  # a core process: ask it now
+        if refresh is not None:
+            await refresh()
         return {"replica": self.replica_id, "backend": self.backend_name, **self.backend.health()}
 
     async def check_health(self) -> None:  # Serve's own health probe
