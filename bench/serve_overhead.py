@@ -4,6 +4,7 @@
     .venv/bin/python bench/serve_overhead.py [--mode retry|agent] [--sessions 16]
                                              [--requests 8] [--max-tokens 96] [--turns 8]
                                              [--threads 1] [--ingress proxy|haproxy]
+                                             [--core-process]
 
 `retry`: each session sends the same first turn `--requests` times (siblings in its ledger).
 `agent` (the real agent case): each session is one episode of `--turns` turns; every turn
@@ -16,6 +17,12 @@ ledger and templating. The client is aiohttp + msgspec (its CPU shares the box w
 server, as an agent's would). Median of 3 interleaved runs with the spread; load printed.
 Besides tokens per wall second, tokens per CPU second of the processes doing the work
 (`cpu_ratio`): on a loaded box the wall ratio depends on how the scheduler shares the CPU.
+After the runs: the CPU cores each process used during the server runs (median of the runs'
+CPU seconds over wall seconds), and each engine's tokens per decode step (rows a step, on
+average) and milliseconds per step: at a fixed number of sessions, every millisecond a reply
+and the session's next request spend between the engine and the client is a row missing from
+the engine's batch. `--core-process` runs the server's engine as `engine.core_process = true`
+(the torch engine in a child process of its replica: rl360.serve.engines.core_process).
 Threads: both sides run the engine with `--threads` torch threads (default 1: the engine
 replica reserves one CPU, `engine.num_cpus = 1`, and Ray starts it with OMP_NUM_THREADS=1).
 `--threads 2` makes the server's engine use more than it reserved: libgomp's second thread
@@ -162,6 +169,36 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(after[p] - before.get(p, 0.0) for p in after)
 
 
+def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds per process between two samples, keyed by what the process is (its Ray
+    actor title, or its program name): where the server path's CPU goes."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for pid, c in after.items():
+        try:
+            proc = psutil.Process(pid)
+            title = " ".join(proc.cmdline()[:1]) or proc.name()
+        except psutil.Error:
+            title = "?"
+        if pid == os.getpid():
+            title = "bench (client)"
+        elif title.startswith("ray::"):
+            title = title.split()[0].split(".")[0]
+        else:
+            title = os.path.basename(title.split()[0]) if title.strip() else "?"
+        out[title] = out.get(title, 0.0) + c - before.get(pid, 0.0)
+    return out
+
+
+def engine_health(recipe: Any) -> dict[str, Any]:
+    """The server's engine replica's health (steps, tokens, busy seconds)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("engine", app_name=recipe.serve.app_name
+                                       ).health.remote().result()
+
+
 def spread(xs: list[float]) -> str:
     return f"median {statistics.median(xs):.0f} (min {min(xs):.0f}, max {max(xs):.0f})"
 
@@ -178,12 +215,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ingress", choices=("proxy", "haproxy"), default="proxy",
                     help="serve.ingress: Serve's Python proxy or its HAProxy ingress")
+    ap.add_argument("--core-process", action="store_true",
+                    help="engine.core_process = true: the server's torch engine in a child "
+                         "process of its replica (its own GIL)")
     args = ap.parse_args()
     per = args.requests if args.mode == "retry" else args.turns
     print(f"workload: mode {args.mode}, {args.sessions} concurrent sessions x {per} "
           f"{'requests' if args.mode == 'retry' else 'turns'}, max_tokens {args.max_tokens}, "
           f"temperature 1.0, seeded; model tiny, torch threads {args.threads}; ingress "
-          f"{args.ingress}; "
+          f"{args.ingress}; engine core process {args.core_process}; "
           f"cpus {os.cpu_count()}; load before {open('/proc/loadavg').read().split()[:3]}")
 
     from rl360.launch.ingress import check_ingress, ingress_env
@@ -197,12 +237,14 @@ def main() -> None:
     recipe = decode_recipe(apply_overrides({}, [
         "engine.max_batch_size=64", "engine.batch_wait_ms=5.0", f"engine.threads={args.threads}",
         "engine.num_cpus=1", f"serve.ingress='{args.ingress}'",
+        f"engine.core_process={str(args.core_process).lower()}",
     ]))
     check_ingress(recipe.serve)
     d_runs: list[float] = []
     s_runs: list[float] = []
     d_cpu: list[float] = []  # tokens per CPU second
     s_cpu: list[float] = []
+    roles: list[dict[str, float]] = []  # server runs: CPU seconds per process
     with ray_session(num_cpus=2, dashboard=False, namespace="rl360-bench",
                      env_vars=ingress_env(recipe.serve, local=True)):
         h = start_serving(recipe)
@@ -216,14 +258,26 @@ def main() -> None:
                 c0 = cpu_seconds(tree=True)
                 s_s, s_tok = loop.run_until_complete(
                     through_server(args, h.base_url, args.sessions))
-                s_cpu.append(s_tok / cpu_used(c0, cpu_seconds(tree=True)))
+                c1 = cpu_seconds(tree=True)
+                s_cpu.append(s_tok / cpu_used(c0, c1))
+                roles.append({k: v / s_s for k, v in cpu_by_role(c0, c1).items()})
                 s_runs.append(s_tok / s_s)
                 print(f"  run: direct {d_tok} tokens in {d_s:.2f}s ({d_cpu[-1]:.0f} tok/cpu-s), "
                       f"server {s_tok} tokens in {s_s:.2f}s ({s_cpu[-1]:.0f} tok/cpu-s); load "
                       f"{open('/proc/loadavg').read().split()[:3]}", flush=True)
+            engines = {"direct": direct.be.health(), "server": engine_health(recipe)}
         finally:
             stop_serving(h)
+            loop.run_until_complete(direct.be.close())
     load = open("/proc/loadavg").read().split()[:3]
+    rows = {k: e["tokens"] / max(1, e["steps"]) for k, e in engines.items()}
+    step_ms = {k: 1e3 * e["busy_s"] / max(1, e["steps"]) for k, e in engines.items()}
+    print("engine, all runs with the warm-up: tokens per step (rows a step, on average) direct "
+          f"{rows['direct']:.2f}, server {rows['server']:.2f}; ms a step (busy) direct "
+          f"{step_ms['direct']:.2f}, server {step_ms['server']:.2f}")
+    share = {k: statistics.median(r.get(k, 0.0) for r in roles) for k in roles[0]}
+    print("server runs, cores used per process (CPU seconds / wall seconds, median): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in sorted(share.items(), key=lambda kv: -kv[1]) if v >= 0.01))
     print(f"direct (backend in process): {spread(d_runs)} tok/s")
     print(f"server (HTTP sessions):      {spread(s_runs)} tok/s")
     print(f"per CPU second: direct {spread(d_cpu)} tok/cpu-s (this process), server "
@@ -238,7 +292,9 @@ def main() -> None:
                       "ratio_min": round(min(s_runs) / max(d_runs), 3),
                       "ratio_max": round(max(s_runs) / min(d_runs), 3),
                       "cpu_ratio": round(statistics.median(s_cpu) / statistics.median(d_cpu), 3),
-                      "ingress": args.ingress, "load": load}))
+                      "ingress": args.ingress, "core_process": args.core_process,
+                      "rows_per_step": {k: round(v, 2) for k, v in rows.items()},
+                      "step_ms": {k: round(v, 3) for k, v in step_ms.items()}, "load": load}))
 
 
 if __name__ == "__main__":
