@@ -294,7 +294,10 @@ def main() -> None:
                       "cpu_ratio": round(statistics.median(s_cpu) / statistics.median(d_cpu), 3),
                       "ingress": args.ingress, "core_process": args.core_process,
                       "rows_per_step": {k: round(v, 2) for k, v in rows.items()},
-                      "step_ms": {k: round(v, 3) for k, v in step_ms.items()}, "load": load}))
+                      "step_ms": {k: round(v, 3) for k, v in step_ms.items()},
+                      # generations the server's engine core got over its channel (not Serve)
+                      "direct_requests": engines["server"].get("direct_requests", 0),
+                      "load": load}))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
             shard_cls.options(name=name, namespace=ns, get_if_exists=True,
                               max_concurrency=1000, max_restarts=-1, max_task_retries=0,
                               **with_env(service, SAME_LOOP_ENV))
-            .remote(recipe.model, s, recipe.run.name, ServeEngineClient(s.app_name))
+            .remote(recipe.model, s, recipe.run.name, ServeEngineClient(
+                s.app_name, channels=(publisher_name, ns) if recipe.engine.core_process else None))
         )
     # Serve's controller, proxies and replicas start while the shards construct (tokenizer,
     # renderer); the session server finds them by name

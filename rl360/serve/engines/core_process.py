@@ -34,13 +34,16 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
+from rl360.serve.engines.routing import rank_replicas
 from rl360.types import Generation, SamplingParams
 
 log = logging.getLogger("rl360.engine.core")
@@ -133,6 +136,165 @@ class CoreDied(RuntimeError):
     pass
 
 
+# ----------------------------------------------------------------------------- client side
+
+
+class CoreConnection:
+    """One connection to an engine core: frames out, answers matched to their requests by id.
+    Used by the replica over its socket pair and by session shards over the core's channel."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 gone: Callable[[], str], name: str) -> None:
+        self._writer = writer
+        self._gone = gone  # what to say when the core's end closes
+        self._next_id = 0
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self.failure: BaseException | None = None
+        self.closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read(reader), name=name)
+        self._reader.add_done_callback(self._on_reader_done)
+
+    @classmethod
+    async def open_unix(cls, path: str, name: str) -> CoreConnection:
+        reader, writer = await asyncio.open_unix_connection(path)
+        return cls(reader, writer, lambda: f"the engine core at {path} closed the channel", name)
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        rid, fut = self._send(lambda i: Gen(i, list(prompt_ids), sampling))
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the caller went away: its row leaves at the next step
+            if self.failure is None and not self.closed:
+                self._writer.write(_frame(Cancel(rid)))
+            raise
+
+    async def request(self, make: Callable[[int], msgspec.Struct]) -> Any:
+        _, fut = self._send(make)
+        return await fut
+
+    def close(self) -> None:
+        """Close the connection; requests still waiting fail (the core drops their rows)."""
+        self.closed = True
+        self._reader.cancel()
+        self._writer.close()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(CoreDied("the connection to the engine core was closed"))
+        self._waiting.clear()
+
+    def _send(self, make: Callable[[int], msgspec.Struct]) -> tuple[int, asyncio.Future[Any]]:
+        if self.failure is not None:
+            raise CoreDied(f"the engine core process is gone: {self.failure}")
+        self._next_id += 1
+        rid = self._next_id
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        self._writer.write(_frame(make(rid)))
+        return rid, fut
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        decode = msgspec.msgpack.Decoder(FromCore).decode
+        while True:
+            try:
+                msg = decode(await _read_frame(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                raise CoreDied(self._gone()) from None
+            fut = self._waiting.pop(msg.id, None)
+            if fut is None or fut.done():
+                continue
+            if isinstance(msg, GenDone):
+                fut.set_result(msg.gen)
+            elif isinstance(msg, Done):
+                fut.set_result(msg.value)
+            elif isinstance(msg, Failed):
+                fut.set_exception((ValueError if msg.kind == "value" else RuntimeError)(
+                    msg.message))
+
+    def _on_reader_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception() or CoreDied("the engine core's socket closed")
+        if not self.closed:
+            log.error("engine core connection: %r", exc)
+        self.failure = exc
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(CoreDied(str(exc)))
+        self._waiting.clear()
+
+
+class CoreChannels:
+    """A session shard's direct connections to the engine cores on its node. Which replica a
+    session goes to is the session-affinity router's choice (rendezvous hashing of the
+    session id over the replicas with an open channel, as the WeightPublisher lists them);
+    when that replica's core is on this node the call goes over its channel, else (another
+    node, no channel, a channel that cannot be reached) `pick` says None and the caller goes
+    through Serve."""
+
+    REFRESH_S = 2.0  # how often the table of channels is asked for again
+
+    def __init__(self, publisher: tuple[str, str]) -> None:
+        self.publisher = publisher  # (name, namespace) of the WeightPublisher actor
+        self._table: dict[str, dict[str, str]] = {}
+        self._at = float("-inf")
+        self._refreshing: asyncio.Future[None] | None = None
+        self._conns: dict[str, CoreConnection] = {}
+        self._opening: dict[str, asyncio.Future[CoreConnection]] = {}
+        self._node: str | None = None
+
+    async def pick(self, route_key: str) -> tuple[str, CoreConnection] | None:
+        """(replica id, connection) for the session `route_key`, or None: go through Serve."""
+        if time.monotonic() - self._at > self.REFRESH_S:
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._refreshing)
+        if not self._table:
+            return None
+        replica = rank_replicas(route_key, list(self._table))[0]
+        channel = self._table[replica]
+        if channel["node"] != self._node:
+            return None
+        conn = self._conns.get(replica)
+        if conn is not None and conn.failure is None:
+            return replica, conn
+        if replica not in self._opening:
+            self._opening[replica] = asyncio.ensure_future(CoreConnection.open_unix(
+                channel["path"], f"rl360-engine-channel-{replica[:8]}"))
+        try:
+            conn = await asyncio.shield(self._opening[replica])
+        except OSError as e:  # the core is gone (its replica restarts) or not reachable here
+            log.warning("engine channel of replica %s at %s: %r; through Serve until the "
+                        "next refresh", replica, channel["path"], e)
+            self._table.pop(replica, None)
+            return None
+        finally:
+            self._opening.pop(replica, None)
+        self._conns[replica] = conn
+        return replica, conn
+
+    async def _refresh(self) -> None:
+        import ray
+
+        from rl360.serve.weights.slots import _node_id
+
+        if self._node is None:
+            self._node = _node_id()
+        try:
+            name, namespace = self.publisher
+            table = await ray.get_actor(name, namespace=namespace).channels.remote()
+        except Exception as e:  # no publisher (yet): every call goes through Serve meanwhile
+            log.debug("engine channels: %r", e)
+            table = {}
+        self._table, self._at = dict(table), time.monotonic()
+        for replica in [r for r in self._conns if r not in self._table]:
+            self._conns.pop(replica).close()
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+
+
 # ----------------------------------------------------------------------------- replica side
 
 
@@ -153,15 +315,12 @@ class CoreProcessBackend:
         child.close()
         self._version = 0
         self._health: dict[str, Any] = {}
-        self._next_id = 0
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._connecting: asyncio.Future[None] | None = None
-        self._reader_task: asyncio.Task[None] | None = None
+        self._conn: CoreConnection | None = None
+        self._connecting: asyncio.Future[CoreConnection] | None = None
         self._health_task: asyncio.Task[None] | None = None
-        self._failure: BaseException | None = None
         self._buffer: _StagingBuffer | None = None
         self._closed = False
+        self.node = ""  # the node the core runs on (Ray's node id), for session shards
         try:
             self._sock.settimeout(START_TIMEOUT_S)
             self._sock.sendall(_frame(Start(engine, model_cfg, seed)))
@@ -187,13 +346,7 @@ class CoreProcessBackend:
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         check_prompt(prompt_ids, self.model_cfg.max_model_len)
-        rid, fut = await self._send(lambda i: Gen(i, list(prompt_ids), sampling))
-        try:
-            return await fut
-        except asyncio.CancelledError:  # the caller went away: its row leaves at the next step
-            if self._failure is None and self._writer is not None and not self._closed:
-                self._writer.write(_frame(Cancel(rid)))
-            raise
+        return await (await self._connection()).generate(prompt_ids, sampling)
 
     async def update_weights(self, version: int, state: Any) -> bool:
         if hasattr(state, "__await__") and not isinstance(state, dict):
@@ -201,12 +354,13 @@ class CoreProcessBackend:
         if not isinstance(state, dict):
             raise TypeError(f"engine core: a weight version must be a name -> tensor dict, "
                             f"not {type(state).__name__}")
+        conn = await self._connection()
         if self._buffer is None:
             self._buffer = _StagingBuffer()
-        entries = await asyncio.to_thread(self._buffer.stage, state)
-        _, fut = await self._send(lambda i: Update(i, version, os.getpid(), self._buffer.fd,
-                                                   entries))
-        ok = bool(await fut)
+        buffer = self._buffer
+        entries = await asyncio.to_thread(buffer.stage, state)
+        ok = bool(await conn.request(lambda i: Update(i, version, os.getpid(), buffer.fd,
+                                                      entries)))
         if ok:
             self._version = max(self._version, version)
         return ok
@@ -217,94 +371,27 @@ class CoreProcessBackend:
     async def resume(self) -> None:
         await self._call("resume")
 
+    async def open_channel(self) -> str:
+        """Let session shards on this node send generations straight to the core (a Unix
+        socket in a directory only this user can enter); its path, also in `health()`. The
+        replica opens it once it serves the published weights."""
+        path = str(await self._call("open_channel"))
+        if not self.node:
+            from rl360.serve.weights.slots import _node_id
+
+            self.node = _node_id()
+        await self.refresh_health()
+        return path
+
     def health(self) -> dict[str, Any]:
         """The core's health as of its last report (refreshed every HEALTH_EVERY_S while the
-        replica serves), with the core's pid; not ok once the core has died."""
-        out = {**self._health, "core_process": True, "core_pid": self.core_pid}
-        if self._failure is not None:
-            out |= {"ok": False, "error": repr(self._failure)}
+        replica serves), with the core's pid and node; not ok once the core has died."""
+        out = {**self._health, "core_process": True, "core_pid": self.core_pid,
+               "core_node": self.node}
+        failure = self._conn.failure if self._conn is not None else None
+        if failure is not None:
+            out |= {"ok": False, "error": repr(failure)}
         return out
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._call("close"), 10.0)
-        self._closed = True
-        for t in (self._reader_task, self._health_task):
-            if t is not None:
-                t.cancel()
-        if self._writer is not None:
-            self._writer.close()
-        self._kill()
-        if self._buffer is not None:
-            self._buffer.close()
-
-    # ------------------------------------------------------------------ the socket
-
-    async def _ensure_connected(self) -> None:
-        if self._writer is not None:
-            return
-        if self._connecting is None:  # one connection: concurrent first callers share it
-            self._connecting = asyncio.ensure_future(self._connect())
-        await asyncio.shield(self._connecting)
-
-    async def _connect(self) -> None:
-        reader, writer = await asyncio.open_unix_connection(sock=self._sock)
-        self._writer = writer
-        loop = asyncio.get_running_loop()
-        self._reader_task = loop.create_task(self._read(reader), name="rl360-engine-core-reader")
-        self._reader_task.add_done_callback(self._on_reader_done)
-        self._health_task = loop.create_task(self._refresh_health(),
-                                             name="rl360-engine-core-health")
-
-    async def _send(self, make: Any) -> tuple[int, asyncio.Future[Any]]:
-        if self._failure is not None:
-            raise CoreDied(f"the engine core process is gone: {self._failure}")
-        await self._ensure_connected()
-        assert self._writer is not None
-        self._next_id += 1
-        rid = self._next_id
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        self._writer.write(_frame(make(rid)))
-        return rid, fut
-
-    async def _call(self, what: str) -> Any:
-        _, fut = await self._send(lambda i: Call(i, what))
-        return await fut
-
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        decode = msgspec.msgpack.Decoder(FromCore).decode
-        while True:
-            try:
-                msg = decode(await _read_frame(reader))
-            except asyncio.IncompleteReadError:
-                code = self._proc.poll()
-                raise CoreDied(f"the engine core process (pid {self._proc.pid}) exited"
-                               + (f" with code {code}" if code is not None else "")) from None
-            fut = self._waiting.pop(msg.id, None)
-            if fut is None or fut.done():
-                continue
-            if isinstance(msg, GenDone):
-                fut.set_result(msg.gen)
-            elif isinstance(msg, Done):
-                fut.set_result(msg.value)
-            elif isinstance(msg, Failed):
-                fut.set_exception((ValueError if msg.kind == "value" else RuntimeError)(
-                    msg.message))
-
-    def _on_reader_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception() or CoreDied("the engine core's socket closed")
-        if not self._closed:
-            log.error("engine core process: %r", exc)
-        self._failure = exc
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(CoreDied(str(exc)))
-        self._waiting.clear()
 
     async def refresh_health(self) -> dict[str, Any]:
         """Ask the core for its health now (what `health()` then returns)."""
@@ -312,8 +399,47 @@ class CoreProcessBackend:
         self._version = max(self._version, int(self._health.get("version", 0)))
         return self.health()
 
+    async def close(self) -> None:
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._call("close"), 10.0)
+        self._closed = True
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._conn is not None:
+            self._conn.close()
+        self._kill()
+        if self._buffer is not None:
+            self._buffer.close()
+
+    # ------------------------------------------------------------------ the socket
+
+    async def _connection(self) -> CoreConnection:
+        if self._conn is not None:
+            return self._conn
+        if self._connecting is None:  # one connection: concurrent first callers share it
+            self._connecting = asyncio.ensure_future(self._connect())
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> CoreConnection:
+        reader, writer = await asyncio.open_unix_connection(sock=self._sock)
+
+        def gone() -> str:
+            code = self._proc.poll()
+            return (f"the engine core process (pid {self._proc.pid}) exited"
+                    + (f" with code {code}" if code is not None else ""))
+
+        self._conn = CoreConnection(reader, writer, gone, "rl360-engine-core-reader")
+        self._health_task = asyncio.get_running_loop().create_task(
+            self._refresh_health(), name="rl360-engine-core-health")
+        return self._conn
+
+    async def _call(self, what: str) -> Any:
+        return await (await self._connection()).request(lambda i: Call(i, what))
+
     async def _refresh_health(self) -> None:
-        while self._failure is None and not self._closed:
+        while not self._closed and (self._conn is None or self._conn.failure is None):
             with contextlib.suppress(CoreDied, RuntimeError):
                 await self.refresh_health()
             await asyncio.sleep(HEALTH_EVERY_S)
@@ -405,12 +531,124 @@ def _load_update(msg: Update) -> tuple[dict[str, Any], mmap.mmap]:
     return state, mm
 
 
+class _Core:
+    """The core's side: one TorchBackend, the replica's connection (everything) and, once the
+    replica opens it, a channel session shards connect to (generations and cancellations)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.server: asyncio.AbstractServer | None = None
+        self.channel = ""  # the channel's socket path once open
+        self.direct = 0  # generations that came over the channel
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    control: bool) -> None:
+        """Answer one connection's requests until it closes (or, on the replica's, "close")."""
+        decode = msgspec.msgpack.Decoder(ToCore).decode
+        tasks: dict[int, asyncio.Task[Any]] = {}
+
+        def reply(rid: int, task: asyncio.Task[Any]) -> None:
+            tasks.pop(rid, None)
+            if task.cancelled() or writer.is_closing():
+                return
+            exc = task.exception()
+            if exc is not None:
+                kind = "value" if isinstance(exc, ValueError) else "runtime"
+                writer.write(_frame(Failed(rid, kind, f"{type(exc).__name__}: {exc}")))
+                return
+            value = task.result()
+            writer.write(_frame(GenDone(rid, value) if isinstance(value, Generation)
+                                else Done(rid, value)))
+
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    msg = decode(await _read_frame(reader))
+                except (asyncio.IncompleteReadError, ConnectionError):  # the other end is gone
+                    break
+                if isinstance(msg, Cancel):
+                    task = tasks.get(msg.id)
+                    if task is not None:
+                        task.cancel()
+                    continue
+                if isinstance(msg, Gen):
+                    self.direct += not control
+                    coro: Any = self.backend.generate(msg.prompt_ids, msg.sampling)
+                elif not control:
+                    writer.write(_frame(Failed(getattr(msg, "id", 0), "value",
+                                               "the channel takes generations only")))
+                    continue
+                elif isinstance(msg, Update):
+                    coro = self.update(msg)
+                elif isinstance(msg, Call):
+                    coro = self.call(msg.what)
+                else:
+                    continue
+                task = loop.create_task(coro, name=f"rl360-engine-core-{msg.id}")
+                tasks[msg.id] = task
+                task.add_done_callback(lambda t, rid=msg.id: reply(rid, t))
+                if isinstance(msg, Call) and msg.what == "close":
+                    await asyncio.wait({task})
+                    await writer.drain()
+                    break
+        finally:
+            for task in tasks.values():  # a shard that went away: its rows leave
+                task.cancel()
+            if not control:
+                writer.close()
+
+    async def update(self, msg: Update) -> bool:
+        state, mm = await asyncio.to_thread(_load_update, msg)
+        try:
+            return bool(await self.backend.update_weights(msg.version, state))
+        finally:
+            del state
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    async def call(self, what: str) -> Any:
+        if what == "pause":
+            await self.backend.pause()
+        elif what == "resume":
+            await self.backend.resume()
+        elif what == "health":
+            return {**self.backend.health(), "channel": self.channel,
+                    "direct_requests": self.direct}
+        elif what == "open_channel":
+            return await self.open_channel()
+        elif what == "close":
+            await self.close()
+        else:
+            raise ValueError(f"engine core: unknown call {what!r}")
+        return None
+
+    async def open_channel(self) -> str:
+        if self.server is None:
+            # a directory only this user can enter: the socket accepts no one else
+            path = os.path.join(tempfile.mkdtemp(prefix="rl360-core-"), "engine.sock")
+            self.server = await asyncio.start_unix_server(
+                lambda r, w: self.serve(r, w, control=False), path)
+            self.channel = path
+        return self.channel
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.channel:
+            with contextlib.suppress(OSError):
+                os.unlink(self.channel)
+                os.rmdir(os.path.dirname(self.channel))
+            self.channel = ""
+        await self.backend.close()
+
+
 async def _serve(sock: socket.socket) -> None:
     from rl360.serve.engines.torch_backend import TorchBackend
 
     reader, writer = await asyncio.open_unix_connection(sock=sock)
-    decode = msgspec.msgpack.Decoder(ToCore).decode
-    start = decode(await _read_frame(reader))
+    start = msgspec.msgpack.decode(await _read_frame(reader), type=ToCore)
     if not isinstance(start, Start):
         raise RuntimeError(f"engine core: expected Start, got {type(start).__name__}")
     try:
@@ -419,71 +657,12 @@ async def _serve(sock: socket.socket) -> None:
         writer.write(_frame(Failed(0, "runtime", f"{type(e).__name__}: {e}")))
         await writer.drain()
         raise
+    core = _Core(backend)
     writer.write(_frame(Ready(os.getpid(), backend.health())))
-    tasks: dict[int, asyncio.Task[Any]] = {}
-
-    def reply(rid: int, task: asyncio.Task[Any]) -> None:
-        tasks.pop(rid, None)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            kind = "value" if isinstance(exc, ValueError) else "runtime"
-            writer.write(_frame(Failed(rid, kind, f"{type(exc).__name__}: {exc}")))
-            return
-        value = task.result()
-        writer.write(_frame(GenDone(rid, value) if isinstance(value, Generation)
-                            else Done(rid, value)))
-
-    async def update(msg: Update) -> bool:
-        state, mm = await asyncio.to_thread(_load_update, msg)
-        try:
-            return await backend.update_weights(msg.version, state)
-        finally:
-            del state
-            with contextlib.suppress(BufferError):
-                mm.close()
-
-    async def call(what: str) -> Any:
-        if what == "pause":
-            await backend.pause()
-        elif what == "resume":
-            await backend.resume()
-        elif what == "health":
-            return backend.health()
-        elif what == "close":
-            await backend.close()
-        else:
-            raise ValueError(f"engine core: unknown call {what!r}")
-        return None
-
-    loop = asyncio.get_running_loop()
-    while True:
-        try:
-            msg = decode(await _read_frame(reader))
-        except asyncio.IncompleteReadError:  # the replica is gone
-            break
-        if isinstance(msg, Cancel):
-            task = tasks.get(msg.id)
-            if task is not None:
-                task.cancel()
-            continue
-        if isinstance(msg, Gen):
-            coro: Any = backend.generate(msg.prompt_ids, msg.sampling)
-        elif isinstance(msg, Update):
-            coro = update(msg)
-        elif isinstance(msg, Call):
-            coro = call(msg.what)
-        else:
-            continue
-        task = loop.create_task(coro, name=f"rl360-engine-core-{msg.id}")
-        tasks[msg.id] = task
-        task.add_done_callback(lambda t, rid=msg.id: reply(rid, t))
-        if isinstance(msg, Call) and msg.what == "close":
-            await asyncio.wait({task})
-            await writer.drain()
-            break
-    await backend.close()
+    try:
+        await core.serve(reader, writer, control=True)
+    finally:
+        await core.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -66,10 +66,22 @@ class EngineReplica:
             name="rl360-engine-weight-sync"
         )
         self._follow.add_done_callback(self._on_follow_done)
+        if callable(getattr(self.backend, "open_channel", None)):  # engine.core_process
+            task = asyncio.get_running_loop().create_task(self._open_channel(),
+                                                          name="rl360-engine-core-channel")
+            task.add_done_callback(self._on_follow_done)
+
+    async def _open_channel(self) -> None:
+        """Once this replica serves the published weights, session shards on its node may
+        send generations straight to its engine core (rl360.serve.engines.core_process)."""
+        assert self._caught_up is not None
+        await self._caught_up.wait()
+        path = await self.backend.open_channel()  # type: ignore[attr-defined]
+        log.info("engine replica %s: core channel open at %s", self.replica_id, path)
 
     def _on_follow_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
-            log.error("weight sync task died: %r", task.exception())
+            log.error("%s task died: %r", task.get_name(), task.exception())
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation:
         self._ensure_following()
@@ -123,13 +135,20 @@ class EngineReplica:
 class ServeEngineClient:
     """EngineClient over the engine deployment's handle (picklable: the handle is lazy)."""
 
-    def __init__(self, app_name: str, deployment: str = "engine") -> None:
+    def __init__(self, app_name: str, deployment: str = "engine",
+                 channels: tuple[str, str] | None = None) -> None:
+        """`channels`: (name, namespace) of the WeightPublisher that lists the engine cores'
+        channels (engine.core_process): a session whose replica's core runs on this node is
+        served over that core's channel, not through Serve."""
         self.app_name = app_name
         self.deployment = deployment
+        self.channels = channels
         self._handle: Any = None
+        self._direct: Any = None  # CoreChannels, made in the process that calls
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"app_name": self.app_name, "deployment": self.deployment, "_handle": None}
+        return {"app_name": self.app_name, "deployment": self.deployment,
+                "channels": self.channels, "_handle": None, "_direct": None}
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, route_key: str | None
@@ -142,6 +161,14 @@ class ServeEngineClient:
         return await self._call("generate_many", route_key, items)
 
     async def _call(self, method: str, route_key: str | None, *args: Any) -> Any:
+        if self.channels is not None and route_key:
+            if self._direct is None:
+                from rl360.serve.engines.core_process import CoreChannels
+
+                self._direct = CoreChannels(self.channels)
+            picked = await self._direct.pick(route_key)
+            if picked is not None:
+                return await _over_channel(method, *picked, *args)
         if self._handle is None:
             # by value: requests and answers travel over Serve's direct gRPC channel to the
             # replica instead of Ray task calls and the object store (the path Serve's
@@ -163,3 +190,24 @@ class ServeEngineClient:
 
 async def _result(response: Any) -> Any:
     return await response
+
+
+async def _over_channel(method: str, replica: str, conn: Any, *args: Any) -> Any:
+    """`generate` / `generate_many` over an engine core's channel (as the replica would answer:
+    each generation names the replica; in generate_many each fails alone)."""
+    async def one(prompt_ids: list[int], sampling: SamplingParams) -> Generation:
+        try:
+            gen = await asyncio.wait_for(conn.generate(prompt_ids, sampling),
+                                         ENGINE_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise TimeoutError(f"engine replica {replica} did not answer within "
+                               f"{ENGINE_CALL_TIMEOUT_S:g}s (ENGINE_CALL_TIMEOUT_S)") from None
+        gen.engine_replica = replica
+        return gen
+
+    if method == "generate":
+        return await one(*args)
+    if method == "generate_many":
+        return list(await asyncio.gather(*(one(ids, sp) for ids, sp in args[0]),
+                                         return_exceptions=True))
+    raise ValueError(f"no engine call {method!r} over a core's channel")

@@ -37,6 +37,7 @@ class WeightPublisher:
         self._applied_changed = asyncio.Event()
         self.applied: dict[str, tuple[int, float]] = {}
         self.engine_stats: dict[str, dict[str, Any]] = {}
+        self.stats_at: dict[str, float] = {}  # when each replica last reported its health
         self.ranks: dict[str, int] = {}
         self._members: dict[str, dict[str, Any]] = {}  # replica -> offset, width, gpu, layout
         self._next_rank = 1
@@ -261,11 +262,21 @@ class WeightPublisher:
         """A replica's health every poll, with the version (and weight slot) it serves: a
         restarted publisher learns what every replica serves again within one poll."""
         self.engine_stats[replica] = stats
+        self.stats_at[replica] = time.monotonic()
         if slot is not None:
             self.serving[replica] = slot
         if version > self.applied.get(replica, (0, 0.0))[0]:
             self.applied[replica] = (version, 0.0)
             self._notify()
+
+    async def channels(self, fresh_s: float = 10.0) -> dict[str, dict[str, str]]:
+        """The engine cores session shards may call directly (engine.core_process): per
+        replica that reported within `fresh_s` with an open channel, its socket path and node.
+        A replica opens its channel once it serves the published weights."""
+        now = time.monotonic()
+        return {r: {"path": str(s["channel"]), "node": str(s.get("core_node", ""))}
+                for r, s in self.engine_stats.items()
+                if s.get("channel") and now - self.stats_at.get(r, 0.0) <= fresh_s}
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied),

@@ -158,3 +158,61 @@ def test_the_core_exits_when_its_replica_process_dies(tiny_dir) -> None:  # type
     while not gone():
         assert time.monotonic() < deadline, f"the engine core {pid} outlived its replica"
         time.sleep(0.05)
+
+
+async def test_shards_reach_the_core_over_its_channel(tiny_dir) -> None:  # type: ignore[no-untyped-def]
+    from rl360.serve.engines.core_process import CoreChannels, CoreConnection, Update
+    from rl360.serve.engines.replica import _over_channel
+    from rl360.serve.engines.routing import rank_replicas
+
+    be = CoreProcessBackend(engine(core_process=True), ModelSection(path=str(tiny_dir)))
+    try:
+        assert not be.health().get("channel"), "no channel before the replica opens it"
+        path = await be.open_channel()
+        assert be.health()["channel"] == path and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+        conn = await CoreConnection.open_unix(path, "test-channel")
+        got = await asyncio.gather(*(conn.generate(p, sampled(i)) for i, p in enumerate(PROMPTS)))
+        want = await asyncio.gather(*(be.generate(p, sampled(i)) for i, p in enumerate(PROMPTS)))
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
+        assert (await be.refresh_health())["direct_requests"] == len(PROMPTS)
+        # the channel takes generations only: no weights, pause or close from a shard
+        with pytest.raises(ValueError, match="generations only"):
+            await conn.request(lambda i: Update(i, 5, os.getpid(), 0, []))
+        # as the shard's client answers: the replica named, each of generate_many failing alone
+        many = await _over_channel("generate_many", "r1", conn,
+                                   [(PROMPTS[0], sampled(0)), ([], sampled(1))])
+        assert many[0].engine_replica == "r1" and many[0].token_ids == want[0].token_ids
+        assert isinstance(many[1], ValueError)
+        # a shard that goes away mid-generation: its row leaves the core's batch
+        task = asyncio.create_task(conn.generate([1, 2, 3], SamplingParams(max_tokens=4000, seed=1)))
+        await until(be, lambda h: h["running"] == 1)
+        conn.close()
+        with pytest.raises(CoreDied, match="closed"):
+            await task
+        await until(be, lambda h: h["running"] == 0)
+
+        # the shard's table: the session's replica by rendezvous hashing; its core is used only
+        # on the same node, and an unreachable channel sends the call through Serve
+        channels = CoreChannels(("unused", "unused"))
+
+        async def table() -> None:
+            channels._node = "node-a"
+            channels._table = {"r1": {"path": path, "node": "node-a"},
+                               "r2": {"path": "/nonexistent/engine.sock", "node": "node-a"},
+                               "r3": {"path": path, "node": "node-b"}}
+            channels._at = 1e18  # never stale in this test
+
+        channels._refresh = table  # type: ignore[method-assign]
+        channels._at = float("-inf")
+        keys = {rank_replicas(f"s{i}", ["r1", "r2", "r3"])[0]: f"s{i}" for i in range(64)}
+        picked = await channels.pick(keys["r1"])
+        assert picked is not None and picked[0] == "r1"
+        assert (await picked[1].generate(PROMPTS[0], sampled(0))).token_ids == want[0].token_ids
+        assert await channels.pick(keys["r3"]) is None, "another node's core goes through Serve"
+        assert await channels.pick(keys["r2"]) is None, "an unreachable core goes through Serve"
+        assert "r2" not in channels._table
+        channels.close()
+    finally:
+        await be.close()
+    assert not await asyncio.to_thread(os.path.exists, path), \
+        "the core removes its channel's socket when it ends"
