@@ -13,9 +13,13 @@ from tests.serving import open_session, serving
 pytestmark = pytest.mark.ray
 
 
-@pytest.fixture(scope="module")
-def app(ray_cluster):  # type: ignore[no-untyped-def]
-    with serving(["engine.replicas=2", "serve.default_max_tokens=8"]) as h:
+@pytest.fixture(scope="module", params=[False, True], ids=["in-replica", "core-process"])
+def app(request, ray_cluster):  # type: ignore[no-untyped-def]
+    """Each test with the engine in its replica, then as engine.core_process (the engine in a
+    child process; session shards reach it over its channel)."""
+    with serving(["engine.replicas=2", "serve.default_max_tokens=8",
+                  f"engine.core_process={str(request.param).lower()}"]) as h:
+        h.core_process = request.param
         yield h
 
 
@@ -82,3 +86,20 @@ def test_completions_session_extends_its_prompt(app) -> None:  # type: ignore[no
     assert [n["parent"] for n in traj["forest"]] == [None, 0, None]
     assert sum(traj["branches"][0]["mask"]) == 10 and sum(traj["mask"]) == 5
     assert len(prompt2) > 0
+
+
+def test_core_process_engines_take_the_shards_calls_over_their_channels(app) -> None:  # type: ignore[no-untyped-def]
+    if not app.core_process:
+        pytest.skip("the engine runs in its replica: no core channel (the core-process case)")
+    engines = app.weight_status()["engines"]
+    assert len(engines) == 2 and all(e["core_process"] and e["channel"] for e in engines.values())
+    deadline = time.monotonic() + 30
+    while True:  # health reaches the publisher every poll (2 s)
+        sid, token = open_session(app.base_url)
+        out = chat(app, sid, token, [{"role": "user", "content": "over the channel"}])
+        assert out["rl360"]["engine_replica"] in engines
+        direct = sum(e.get("direct_requests", 0) for e in app.weight_status()["engines"].values())
+        if direct > 0:
+            break
+        assert time.monotonic() < deadline, "no generation came over a core's channel"
+        time.sleep(0.5)
