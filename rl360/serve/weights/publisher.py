@@ -271,12 +271,14 @@ class WeightPublisher:
 
     async def channels(self, fresh_s: float = 10.0) -> dict[str, dict[str, str]]:
         """The engine cores session shards may call directly (engine.core_process): per
-        replica that reported within `fresh_s` with an open channel, its socket path and node.
+        replica that reported within `fresh_s`, healthy, with an open channel, its socket
+        path and node.
         A replica opens its channel once it serves the published weights."""
         now = time.monotonic()
         return {r: {"path": str(s["channel"]), "node": str(s.get("core_node", ""))}
                 for r, s in self.engine_stats.items()
-                if s.get("channel") and now - self.stats_at.get(r, 0.0) <= fresh_s}
+                if s.get("channel") and s.get("ok", True)
+                and now - self.stats_at.get(r, 0.0) <= fresh_s}
 
     async def status(self) -> dict[str, Any]:
         return {"version": self.version, "applied": dict(self.applied),

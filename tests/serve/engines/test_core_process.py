@@ -216,3 +216,15 @@ async def test_shards_reach_the_core_over_its_channel(tiny_dir) -> None:  # type
         await be.close()
     assert not await asyncio.to_thread(os.path.exists, path), \
         "the core removes its channel's socket when it ends"
+
+
+async def test_the_publisher_lists_open_healthy_recent_channels() -> None:
+    from rl360.serve.weights.publisher import WeightPublisher
+
+    pub = WeightPublisher()
+    await pub.report_stats("r1", {"ok": True, "channel": "/x/1.sock", "core_node": "n1"})
+    await pub.report_stats("r2", {"ok": True, "channel": ""})  # not open yet
+    await pub.report_stats("r3", {"ok": False, "channel": "/x/3.sock", "core_node": "n1"})
+    await pub.report_stats("r4", {"ok": True, "channel": "/x/4.sock", "core_node": "n2"})
+    pub.stats_at["r4"] -= 60.0  # has not reported for a minute
+    assert await pub.channels() == {"r1": {"path": "/x/1.sock", "node": "n1"}}
