@@ -2,8 +2,8 @@
 
 A Serve replica's process runs Serve's request handling (gRPC, request wrapping, metrics) on
 its asyncio loop; with the torch engine in the same process its decode steps share one GIL with
-that loop (README "Session path": a decode step 1.1-1.3 ms in a replica against 0.95 in
-process, the step thread idle ~20% of the time). `CoreProcessBackend` keeps the replica's side
+that loop (README, the session-path paragraphs: a decode step 12-25% slower in a replica than in
+process). `CoreProcessBackend` keeps the replica's side
 to forwarding: it starts `python -m rl360.serve.engines.core_process` (the engine core: a
 `TorchBackend` on its own loop and thread) and talks to it over a Unix socket pair in
 length-prefixed msgpack frames, as vLLM's front end talks to its EngineCore.
@@ -15,6 +15,11 @@ shared-memory buffer (a memfd it keeps and reuses) and sends their layout; the c
 buffer read-only through /proc/<replica pid>/fd/<fd> and copies them into its parameters. That
 is one copy more than a torch engine serving a weight slot in place (README "Weight sync"):
 the core loads every version by copy, as `zero_copy = false` does.
+
+Once the replica serves the published weights it opens a channel to the core (a Unix socket in
+a directory only this user can enter; `_Core.open_channel`): session shards on the node send a
+session's generations straight to it (`CoreChannels`, the replica the affinity router would
+pick), with no Serve router, gRPC channel or replica process on the way.
 
 The core exits when the socket closes: the replica closed it, or its process ended and the
 kernel closed it (the core's loop reads the socket apart from its engine thread, so it notices
