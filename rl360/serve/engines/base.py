@@ -49,6 +49,10 @@ BACKENDS: dict[str, str] = {
 }
 
 
+# the torch backend in a child process of its replica (engine.core_process)
+CORE_PROCESS = "rl360.serve.engines.core_process:CoreProcessBackend"
+
+
 def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
     """The request checks every backend makes before queueing a prompt."""
     if not prompt_ids:
@@ -69,11 +73,8 @@ def build_engine_backend(engine: EngineSection, model: ModelSection, seed: int =
     name = engine.backend
     if name not in BACKENDS:
         raise ValueError(f"unknown engine backend {name!r}; known: {', '.join(sorted(BACKENDS))}")
-    if engine.core_process:  # the torch engine in a child process (checked by EngineSection)
-        from rl360.serve.engines.core_process import CoreProcessBackend
-
-        return CoreProcessBackend(engine, model, seed)
-    module_name, _, cls_name = BACKENDS[name].partition(":")
+    # engine.core_process: the torch engine in a child process (EngineSection checks the backend)
+    module_name, _, cls_name = (CORE_PROCESS if engine.core_process else BACKENDS[name]).partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
