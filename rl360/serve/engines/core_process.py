@@ -173,6 +173,11 @@ class CoreConnection:
                 self._writer.write(_frame(Cancel(rid)))
             raise
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request on this connection waits for its answer."""
+        return bool(self._waiting)
+
     async def request(self, make: Callable[[int], msgspec.Struct]) -> Any:
         _, fut = self._send(make)
         return await fut
@@ -277,22 +282,29 @@ class CoreChannels:
         self._conns[replica] = conn
         return replica, conn
 
-    async def _refresh(self) -> None:
+    async def _fetch(self) -> dict[str, dict[str, str]]:
+        """The publisher's table of open channels ({} when it cannot be asked)."""
         import ray
 
+        try:
+            name, namespace = self.publisher
+            return dict(await ray.get_actor(name, namespace=namespace).channels.remote())
+        except Exception as e:  # no publisher (yet): every call goes through Serve meanwhile
+            log.debug("engine channels: %r", e)
+            return {}
+
+    async def _refresh(self) -> None:
         from rl360.serve.weights.slots import _node_id
 
         if self._node is None:
             self._node = _node_id()
-        try:
-            name, namespace = self.publisher
-            table = await ray.get_actor(name, namespace=namespace).channels.remote()
-        except Exception as e:  # no publisher (yet): every call goes through Serve meanwhile
-            log.debug("engine channels: %r", e)
-            table = {}
-        self._table, self._at = dict(table), time.monotonic()
+        self._table, self._at = await self._fetch(), time.monotonic()
+        # a replica no longer listed (gone, or not reported lately: a publisher that restarted
+        # learns the channels again within a poll) gets no new calls; its connection closes
+        # once no call waits on it, so a listing gap fails nothing under way
         for replica in [r for r in self._conns if r not in self._table]:
-            self._conns.pop(replica).close()
+            if not self._conns[replica].busy:
+                self._conns.pop(replica).close()
 
     def close(self) -> None:
         for conn in self._conns.values():

@@ -194,16 +194,15 @@ async def test_shards_reach_the_core_over_its_channel(tiny_dir) -> None:  # type
         # the shard's table: the session's replica by rendezvous hashing; its core is used only
         # on the same node, and an unreachable channel sends the call through Serve
         channels = CoreChannels(("unused", "unused"))
+        listed = {"r1": {"path": path, "node": "node-a"},
+                  "r2": {"path": "/nonexistent/engine.sock", "node": "node-a"},
+                  "r3": {"path": path, "node": "node-b"}}
 
-        async def table() -> None:
-            channels._node = "node-a"
-            channels._table = {"r1": {"path": path, "node": "node-a"},
-                               "r2": {"path": "/nonexistent/engine.sock", "node": "node-a"},
-                               "r3": {"path": path, "node": "node-b"}}
-            channels._at = 1e18  # never stale in this test
+        async def fetch() -> dict:
+            return dict(listed)
 
-        channels._refresh = table  # type: ignore[method-assign]
-        channels._at = float("-inf")
+        channels._fetch = fetch  # type: ignore[method-assign]
+        channels._node = "node-a"
         keys = {rank_replicas(f"s{i}", ["r1", "r2", "r3"])[0]: f"s{i}" for i in range(64)}
         picked = await channels.pick(keys["r1"])
         assert picked is not None and picked[0] == "r1"
@@ -211,6 +210,19 @@ async def test_shards_reach_the_core_over_its_channel(tiny_dir) -> None:  # type
         assert await channels.pick(keys["r3"]) is None, "another node's core goes through Serve"
         assert await channels.pick(keys["r2"]) is None, "an unreachable core goes through Serve"
         assert "r2" not in channels._table
+
+        # r1 leaves the listing (say the publisher restarted) while a call waits on it: the
+        # call completes, r1 gets no new calls, and its connection closes once idle
+        task = asyncio.create_task(picked[1].generate([1, 2, 3], SamplingParams(max_tokens=800,
+                                                                                 seed=2)))
+        await until(be, lambda h: h["running"] == 1)
+        del listed["r1"]
+        await channels._refresh()
+        assert not picked[1].closed, "a connection with a call under way must stay open"
+        assert (await task).token_ids
+        assert rank_replicas(keys["r1"], list(channels._table))[0] != "r1"
+        await channels._refresh()
+        assert picked[1].closed and "r1" not in channels._conns
         channels.close()
     finally:
         await be.close()
