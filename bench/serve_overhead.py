@@ -178,10 +178,13 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, 
     for pid, c in after.items():
         try:
             proc = psutil.Process(pid)
-            title = " ".join(proc.cmdline()[:1]) or proc.name()
+            cmdline = proc.cmdline()
+            title = " ".join(cmdline[:1]) or proc.name()
         except psutil.Error:
-            title = "?"
-        if pid == os.getpid():
+            title, cmdline = "?", []
+        if "rl360.serve.engines.core_process" in cmdline:
+            title = "engine core process"
+        elif pid == os.getpid():
             title = "bench (client)"
         elif title.startswith("ray::"):
             title = title.split()[0].split(".")[0]
