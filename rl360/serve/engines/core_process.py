@@ -502,13 +502,13 @@ class _StagingBuffer:
         import numpy as np
         import torch
 
+        from rl360.serve.weights.slots import slot_offsets
+
         tensors = {k: torch.as_tensor(v) for k, v in state.items()}
-        entries, at = [], 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            entries.append(Entry(name, str(t.dtype).removeprefix("torch."), list(t.shape),
-                                 at, nbytes))
-            at += -(-nbytes // 64) * 64
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        offsets, at = slot_offsets(sizes)  # aligned as in a weight slot
+        entries = [Entry(name, str(t.dtype).removeprefix("torch."), list(t.shape), off, n)
+                   for (name, t), off, n in zip(tensors.items(), offsets, sizes, strict=True)]
         if at > self.size:
             if self.mm is not None:
                 self.mm.close()
