@@ -4,8 +4,8 @@ The model's final answer holds the code: the last ```python block (or the last u
 or an unterminated one), else the bare text when it looks like Python. The tests (assert lines,
 or one test-code string) run in the sandbox, each on its own with a per-test time limit: the test
 code runs in a parent process that alone holds the report channel, the solution in a fresh child
-per test that only exchanges plain data with it (rl360/rewards/isolated_runner.py). Reward: the
-configured reward function (default the fraction of tests passed), plus a format penalty when
+per test that only exchanges plain data with it (rl360/envs/sandbox/isolated_runner.py).
+Reward: the configured reward function (default the fraction of tests passed), plus a format penalty when
 `format_penalty` > 0, with components tests_passed, all_pass and format. Every constructor
 parameter can be set from the recipe (`env.params`).
 """
@@ -19,17 +19,17 @@ from typing import Any
 
 from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.envs.sandbox import Sandbox
+from rl360.envs.sandbox.runner_input import runner_argv, runner_stdin
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
 from rl360.rewards import RewardContext, env_reward
-from rl360.rewards.runner_input import runner_argv, runner_stdin
 from rl360.types import Message, Reward, Task, ToolCall
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.S)
 _LOOKS_LIKE_PY = re.compile(r"^\s*(def|class|import|from|return|lambda|print|async def)\b", re.M)
 
-# The grader runs inside the sandbox (stdlib only, rl360/rewards/isolated_runner.py): its parent
+# The grader runs inside the sandbox (stdlib only, envs/sandbox/isolated_runner.py): its parent
 # reads the spec from stdin and runs each test itself against a fresh child process that holds
 # the solution. It starts through runner_input.BOOT, which hands it its code compiled.
 

@@ -1,7 +1,7 @@
 """How the host starts the isolated test runner (isolated_runner.py) inside a sandbox, cheaply.
 
 Every distinct submission pays one start of its grading parent, so what that start costs is CPU
-taken from the rollout. The runner starts through the sandbox's BOOT (envs/sandbox/boot.py): its
+taken from the rollout. The runner starts through the sandbox's BOOT (boot.py): its
 stdin holds the runner compiled by the host, then the spec (nonce, per-test timeout, solution,
 tests, entry point) as marshal data. BOOT reads its part with exact-size reads, so the runner
 forks its zygote before a byte of the spec is in the process: the zygote and the solution

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rl360.rewards import runner_input
-from rl360.rewards.runner_input import RUNNER, runner_argv, runner_stdin
+from rl360.envs.sandbox import runner_input
+from rl360.envs.sandbox.runner_input import RUNNER, runner_argv, runner_stdin
 
 pytestmark = pytest.mark.timeout(120)
 STARTS = ["boot", "source"]
