@@ -76,7 +76,7 @@ class StateSender:
 
     def pack_weights(self, version: int, packer: dict[str, Any],
                      publisher: Any = None) -> dict[str, Any]:
-        from rl360.serve.weights.packing import make_sender, put_packet
+        from rl360.weights.packing import make_sender, put_packet
 
         key = json.dumps(packer, sort_keys=True)
         if key not in self.packers:
@@ -85,12 +85,12 @@ class StateSender:
         return put_packet(weights.pack(version, self.state), publisher, slots)
 
     def weight_spec(self):  # type: ignore[no-untyped-def]
-        from rl360.serve.weights.transports import tensor_spec
+        from rl360.weights.transports import tensor_spec
 
         return tensor_spec(self.state)
 
     def open_group(self, host: str, port: int, world: int) -> None:
-        from rl360.serve.weights.transports import GlooGroup
+        from rl360.weights.transports import GlooGroup
 
         self.group = GlooGroup(host, port, 0, world)
 
@@ -191,8 +191,8 @@ def main() -> None:
     from rl360.policies.loading import resolve_model_path
     from rl360.ray_session import ray_session
     from rl360.recipe import ObjectStoreSync, apply_overrides, decode_recipe
-    from rl360.serve.weights.slots import writer_env
-    from rl360.serve.weights.transports import CollectiveTransport, ObjectStoreTransport
+    from rl360.weights.slots import writer_env
+    from rl360.weights.transports import CollectiveTransport, ObjectStoreTransport
 
     model_dir = str(resolve_model_path("tiny:sync100m"))
     recipe = decode_recipe(apply_overrides({}, [

@@ -365,7 +365,7 @@ class ObjectStoreSync(_S, tag_field="transport", tag="object_store"):
     slots: with `zero_copy`, replicas on the sender's node get full versions through up to
       this many shared-memory buffers (each one version in size, in the sender's memory
       accounting) that the sender maps once and rewrites in place
-      (rl360.serve.weights.slots): one memcpy a version instead of an object-store put into
+      (rl360.weights.slots): one memcpy a version instead of an object-store put into
       pages never touched before (a page fault per 4 KiB). Versions go into the object store
       when every slot is in use or a replica cannot map them. After each version the sender
       names the slot of the next one; replicas sleep on it and load it as soon as it is

@@ -30,10 +30,10 @@ from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
 from rl360.policies.trainer_torch import TorchTrainer
 from rl360.recipe import TrainerSection
-from rl360.serve.weights.nccl import WeightSender, gpu_uuid
-from rl360.serve.weights.packing import make_sender, put_packet
-from rl360.serve.weights.transports import GlooGroup, free_port, tensor_spec
 from rl360.types import Batch, TrainSample
+from rl360.weights.nccl import WeightSender, gpu_uuid
+from rl360.weights.packing import make_sender, put_packet
+from rl360.weights.transports import GlooGroup, free_port, tensor_spec
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -146,7 +146,7 @@ class TrainerWorker:
     def pack_weights(self, version: int, packer: dict[str, Any],
                      publisher: Any = None) -> dict[str, Any]:
         """Put `version` into the object store as one packed object, full or a delta against
-        the version before (rl360.serve.weights.packing), and publish it to `publisher` when
+        the version before (rl360.weights.packing), and publish it to `publisher` when
         given; returns its metadata. `packer`: WeightPacker's settings and "slots" (the first
         call's are kept; full versions served in place go through weight slots)."""
         if getattr(self, "_packer", None) is None:
@@ -158,7 +158,7 @@ class TrainerWorker:
             meta = put_packet(self._packer.repack_full(version, state), publisher)
         return meta
 
-    # collective weight sync (rank 0 is the sender; see rl360.serve.weights.transports)
+    # collective weight sync (rank 0 is the sender; see rl360.weights.transports)
     def weight_spec(self) -> list[tuple[str, list[int], str]]:
 
         return tensor_spec(self.trainer.state_dict_for_sync())
@@ -179,7 +179,7 @@ class TrainerWorker:
             return sum(v.numel() * v.element_size() for v in state.values())
         return self._sender().send(buckets, layout)
 
-    # GPU weight sync (rl360.serve.weights.nccl) and its checksum debug option
+    # GPU weight sync (rl360.weights.nccl) and its checksum debug option
     def _sender(self) -> Any:
         if getattr(self, "_weight_sender", None) is None:
 

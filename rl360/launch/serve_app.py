@@ -22,7 +22,7 @@ from rl360.serve.engines.routing import SessionAffinityRouter
 from rl360.serve.sessions.auth import resolve_api_key
 from rl360.serve.sessions.http import SessionServer
 from rl360.serve.sessions.shard import SessionShard
-from rl360.serve.weights.publisher import WeightPublisher
+from rl360.weights.publisher import WeightPublisher
 
 if TYPE_CHECKING:
     from rl360.launch.roles import Placement

@@ -65,7 +65,7 @@ def tasks_file(tmp_path):  # type: ignore[no-untyped-def]
 def start(ray, tasks_file: str, staleness: int, env_kw: dict | None = None, **cfg):  # type: ignore[no-untyped-def]
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     env = ray.remote(FakeEnvActor).remote(**(env_kw or {}))
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, max_staleness=staleness,
@@ -154,7 +154,7 @@ def test_filtered_groups_free_their_batch_slot(ray_cluster, tasks_file) -> None:
 
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     env = ray.remote(VarianceEnvActor).remote()
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
@@ -214,7 +214,7 @@ class DyingEnvActor(GroupRollout):
 def test_an_episode_whose_actor_dies_is_rerun_and_the_group_stays_whole(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=2)
@@ -235,7 +235,7 @@ def test_an_episode_whose_actor_dies_is_rerun_and_the_group_stays_whole(ray_clus
 def test_the_circuit_breaker_stops_a_run_that_only_fails_on_infrastructure(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import ControllerFailed, RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=2, breaker_groups=3)
@@ -264,7 +264,7 @@ def test_a_checkpoint_resumes_without_skipping_or_repeating_a_task(ray_cluster, 
     runs t1 first, then goes on with t2; t0 stays queued in the restored buffer."""
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
                     max_staleness=0, max_in_flight_groups=8)
@@ -323,7 +323,7 @@ def test_without_oversampling_filtered_groups_are_not_replaced(ray_cluster, task
     t1) keeps only t1's group (t0 is filtered for zero variance), batch 1 only t3's."""
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     env = ray.remote(VarianceEnvActor).remote()
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
@@ -374,7 +374,7 @@ def test_a_group_runs_on_one_env_actor_and_a_task_stays_on_its_actor(ray_cluster
     first one ran (that actor's verify cache holds its earlier answers)."""
     from rl360.actors.buffer import TrajectoryBuffer
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     # 5 tasks, 8 groups (two batches, the second one version ahead): t0-t2 run twice
     train = checked(TrainSection, tasks=[tasks_file], group_size=4, groups_per_batch=4,
@@ -446,7 +446,7 @@ def test_the_buffer_capacity_holds_and_admission_asks_the_buffer_only_near_it(ra
             return CountingBuffer.sizes
 
     from rl360.actors.controller import RolloutController
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     env = ray.remote(FakeEnvActor).remote()
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, max_staleness=100,

@@ -16,8 +16,8 @@ from rl360.actors.controller import RolloutController
 from rl360.actors.env_pool import GroupRollout
 from rl360.actors.trainer_group import TrainerGroup
 from rl360.recipe import TrainerSection, TrainSection, checked
-from rl360.serve.weights.publisher import WeightPublisher
 from rl360.types import Reward, Task, Trajectory
+from rl360.weights.publisher import WeightPublisher
 
 pytestmark = pytest.mark.ray
 

@@ -192,7 +192,7 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
         res["ref_changed"] = sum(a["ids"] != b["ids"] for a, b in zip(r0, r1, strict=True))
         res["versions_after"] = sorted({g["version"] for g in e1})
         if callable(getattr(eng, "weight_checksums", None)):
-            from rl360.serve.weights.plan import checksum_state, compare_checksums
+            from rl360.weights.plan import checksum_state, compare_checksums
 
             sums = await eng.weight_checksums(PERTURBED)
             ours = checksum_state(new, {n: v[0] for n, v in sums.items()}, f"torch.{args.dtype}")
@@ -217,8 +217,8 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
 def _nccl_receiver(port: int, group: str, buckets: Any, device: int, q: Any) -> None:
     import torch
 
-    from rl360.serve.weights.nccl import WeightReceiver
-    from rl360.serve.weights.plan import checksum_state
+    from rl360.weights.nccl import WeightReceiver
+    from rl360.weights.plan import checksum_state
 
     try:
         torch.cuda.set_device(device)
@@ -231,8 +231,8 @@ def _nccl_receiver(port: int, group: str, buckets: Any, device: int, q: Any) -> 
 
 
 def _ipc_receiver(payload: bytes, q: Any) -> None:
-    from rl360.serve.weights.nccl import load_ipc
-    from rl360.serve.weights.plan import checksum_state
+    from rl360.weights.nccl import load_ipc
+    from rl360.weights.plan import checksum_state
 
     try:
         got = load_ipc(payload)
@@ -246,9 +246,9 @@ def nccl(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from rl360.serve.weights.nccl import WeightSender
-    from rl360.serve.weights.plan import checksum_state, compare_checksums, plan_buckets
-    from rl360.serve.weights.transports import free_port
+    from rl360.weights.nccl import WeightSender
+    from rl360.weights.plan import checksum_state, compare_checksums, plan_buckets
+    from rl360.weights.transports import free_port
 
     g = torch.Generator().manual_seed(0)
     state = {f"layer{i}.weight": torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
@@ -356,7 +356,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     from bench.serve_overhead import through_server
     from rl360.launch.serve_app import start_serving, stop_serving
     from rl360.ray_session import ray_session
-    from rl360.serve.weights.transports import free_port
+    from rl360.weights.transports import free_port
 
     raw = asyncio.run(raw_tps(args.engine, args.model, args.sessions, args.requests,
                               args.max_tokens))
@@ -387,7 +387,7 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     from rl360.recipe import EngineSection, ModelSection
     from rl360.serve.engines.base import BACKENDS
     from rl360.serve.engines.sglang_backend import engine_kwargs
-    from rl360.serve.weights import nccl as _nccl
+    from rl360.weights import nccl as _nccl
 
     wired: dict[str, Any] = {"nccl_sender": _nccl.WeightSender.__name__}
     if args.cmd in ("parity", "bench"):

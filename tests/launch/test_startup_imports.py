@@ -5,7 +5,7 @@ server, the rollout controller, the trajectory buffer) start without importing t
 import subprocess
 import sys
 
-LIGHT = ["rl360.actors.env_pool", "rl360.serve.weights.publisher", "rl360.serve.sessions.shard",
+LIGHT = ["rl360.actors.env_pool", "rl360.weights.publisher", "rl360.serve.sessions.shard",
          "rl360.serve.sessions.http", "rl360.actors.controller", "rl360.actors.buffer"]
 
 

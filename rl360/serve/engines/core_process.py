@@ -294,7 +294,7 @@ class CoreChannels:
             return {}
 
     async def _refresh(self) -> None:
-        from rl360.serve.weights.slots import _node_id
+        from rl360.weights.slots import _node_id
 
         if self._node is None:
             self._node = _node_id()
@@ -394,7 +394,7 @@ class CoreProcessBackend:
         replica opens it once it serves the published weights."""
         path = str(await self._call("open_channel"))
         if not self.node:
-            from rl360.serve.weights.slots import _node_id
+            from rl360.weights.slots import _node_id
 
             self.node = _node_id()
         await self.refresh_health()
@@ -502,7 +502,7 @@ class _StagingBuffer:
         import numpy as np
         import torch
 
-        from rl360.serve.weights.slots import slot_offsets
+        from rl360.weights.slots import slot_offsets
 
         tensors = {k: torch.as_tensor(v) for k, v in state.items()}
         sizes = [t.numel() * t.element_size() for t in tensors.values()]

@@ -2,7 +2,7 @@
 
 Replicas are reached through a DeploymentHandle with `session_id` set, and the
 SessionAffinityRouter keeps a session on one replica. Each replica follows the WeightPublisher
-actor (rl360.serve.weights.publisher.follow_weights) and applies every new version between
+actor (rl360.weights.publisher.follow_weights) and applies every new version between
 generations.
 """
 
@@ -17,8 +17,8 @@ from ray import serve
 from rl360.policies.affinity import set_niceness
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines import build_engine_backend
-from rl360.serve.weights.publisher import follow_weights
 from rl360.types import Generation, SamplingParams
+from rl360.weights.publisher import follow_weights
 
 log = logging.getLogger("rl360.engine")
 

@@ -73,8 +73,8 @@ from rl360.serve.engines.sglang_mapping import (
     to_generation,
     to_sglang_sampling,
 )
-from rl360.serve.weights.plan import plan_buckets, tensor_checksum
 from rl360.types import Generation, SamplingParams
+from rl360.weights.plan import plan_buckets, tensor_checksum
 
 __all__ = ["CollectiveUpdate", "IpcUpdate", "SGLangBackend", "SGLangOptions", "engine_kwargs",
            "sglang_installed", "split_options", "to_generation", "to_sglang_sampling"]

@@ -53,8 +53,8 @@ from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.sampling import processed_logprobs, sample_rows
 from rl360.serve.engines.torch_model import LlamaRunner
-from rl360.serve.weights.packing import own_weights
 from rl360.types import Generation, SamplingParams
+from rl360.weights.packing import own_weights
 
 log = logging.getLogger("rl360.engine.torch")
 _MAX_BURST = 64  # decode steps the engine thread may run before handing back to the loop
@@ -335,7 +335,7 @@ class TorchBackend:
                 continue
             t0, c0, f0 = time.perf_counter(), time.thread_time(), _faults()
             self._stats["last_update_wait_s"] = t0 - u.arrived
-            # a PackedUpdate (rl360.serve.weights.packing) loads itself in place, checked
+            # a PackedUpdate (rl360.weights.packing) loads itself in place, checked
             packed = hasattr(u.state, "apply_to")
             try:
                 u.state.apply_to(self.model) if packed else self._load_state(u.state)

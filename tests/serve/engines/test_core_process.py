@@ -231,7 +231,7 @@ async def test_shards_reach_the_core_over_its_channel(tiny_dir) -> None:  # type
 
 
 async def test_the_publisher_lists_open_healthy_recent_channels() -> None:
-    from rl360.serve.weights.publisher import WeightPublisher
+    from rl360.weights.publisher import WeightPublisher
 
     pub = WeightPublisher()
     await pub.report_stats("r1", {"ok": True, "channel": "/x/1.sock", "core_node": "n1"})

@@ -43,7 +43,7 @@ class WeightPublisher:
         self._next_rank = 1
         self.checksums: dict[int, dict[str, dict[str, Any]]] = {}  # version -> replica -> report
         self.details: dict[str, dict[str, Any]] = {}  # replica -> its last packed fetch
-        # weight slots (rl360.serve.weights.slots): the slot each replica serves, the slot of
+        # weight slots (rl360.weights.slots): the slot each replica serves, the slot of
         # the version handed to it and not yet applied, and why slots are off ("" while on)
         self.serving: dict[str, str] = {}
         self.loading: dict[str, tuple[int, str]] = {}
@@ -69,7 +69,7 @@ class WeightPublisher:
         return True
 
     async def publish_packed(self, version: int, meta: dict[str, Any]) -> bool:
-        """A packed version (rl360.serve.weights.packing): a full one starts a new chain, a
+        """A packed version (rl360.weights.packing): a full one starts a new chain, a
         delta extends the chain if it applies to the newest version. Replicas get the chain
         {"kind": "packed", "base", "full", "layout", "deltas": [(version, ref)]} and fetch
         what they lack."""
@@ -144,7 +144,7 @@ class WeightPublisher:
         self.no_slots = f"{replica}: {reason}"
 
     async def publish_collective(self, version: int, payload: dict[str, Any]) -> bool:
-        """Announce a version sent over a collective group (see rl360.serve.weights.transports)."""
+        """Announce a version sent over a collective group (see rl360.weights.transports)."""
         return await self.publish(version, payload)  # type: ignore[arg-type]
 
     async def register(self, replica: str, info: dict[str, Any] | None = None) -> int:
@@ -297,10 +297,10 @@ async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: flo
     as soon as the sender has written it, before the publisher's announcement arrives."""
     # the replica's side needs torch; imported here so the publisher's own process (which
     # only hands out refs) does not spend seconds of start-up importing it
-    from rl360.serve.weights.collective_replica import engine_checksums, gpu_state, replica_info
-    from rl360.serve.weights.packing import can_load_in_place, fetch_update
-    from rl360.serve.weights.slots import SlotReader, SlotWatch
-    from rl360.serve.weights.transports import GlooGroup
+    from rl360.weights.collective_replica import engine_checksums, gpu_state, replica_info
+    from rl360.weights.packing import can_load_in_place, fetch_update
+    from rl360.weights.slots import SlotReader, SlotWatch
+    from rl360.weights.transports import GlooGroup
 
     rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
     group: Any = None

@@ -1,9 +1,9 @@
-"""The engine replica's side of a GPU weight sync (called by rl360.serve.weights.publisher.follow_weights).
+"""The engine replica's side of a GPU weight sync (called by rl360.weights.publisher.follow_weights).
 
 Engines with a weight group of their own (SGLang: `join_weight_group`) get the update as a
 description (CollectiveUpdate / IpcUpdate) and receive it inside their workers; other engines
 (the torch backend on a GPU) receive here, into tensors on this replica's GPU, through
-rl360.serve.weights.nccl.WeightReceiver, and then apply a plain name -> tensor dict.
+rl360.weights.nccl.WeightReceiver, and then apply a plain name -> tensor dict.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 from typing import Any
 
 from rl360.serve.engines.sglang_backend import CollectiveUpdate, IpcUpdate
-from rl360.serve.weights.nccl import WeightReceiver, gpu_uuid, load_ipc
-from rl360.serve.weights.plan import checksum_state
+from rl360.weights.nccl import WeightReceiver, gpu_uuid, load_ipc
+from rl360.weights.plan import checksum_state
 
 
 def has_own_group(backend: Any) -> bool:

@@ -17,7 +17,7 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import CollectiveSync, TrainerSection
-    from rl360.serve.weights.transports import CollectiveTransport
+    from rl360.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
         trainer = TrainerGroup(TrainerSection(num_cpus=0), tiny_dir)
@@ -46,7 +46,7 @@ def test_planned_bucketed_sync_over_gloo(ray_cluster, tiny_dir: Path, layout: st
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import CollectiveSync, TrainerSection
-    from rl360.serve.weights.transports import CollectiveTransport
+    from rl360.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
         trainer = TrainerGroup(TrainerSection(num_cpus=0), tiny_dir)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import xxhash
 
-from rl360.serve.weights.slots import SlotReader, SlotWriter, writes_slots
+from rl360.weights.slots import SlotReader, SlotWriter, writes_slots
 
 log = logging.getLogger("rl360.weights")
 
@@ -287,7 +287,7 @@ def put_packet(packet: Packet, publisher: Any = None, slots: SlotWriter | None =
     sender announces the version itself, one hop less than through the driver, and returns
     the metadata without the ref and with "published" and the seconds the put took (put_s,
     put_cpu_s: this process's CPU, the object store write). With `slots`, a version the
-    replicas may serve in place is written into a free weight slot instead (rl360.serve.weights.
+    replicas may serve in place is written into a free weight slot instead (rl360.weights.
     slots; "slot" in the metadata), and into the object store when none is free; after it the
     sender promises the slot of its next version and hands that hint to the publisher."""
     import ray

@@ -1,4 +1,4 @@
-"""The bucketed broadcast of rl360.serve.weights.nccl run over gloo on CPU: a sender and a receiver
+"""The bucketed broadcast of rl360.weights.nccl run over gloo on CPU: a sender and a receiver
 process in a standalone group (the group code and bucket loop are the ones NCCL runs on GPUs;
 tests/gpu/test_nccl_sync.py runs them with NCCL)."""
 
@@ -9,9 +9,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from rl360.serve.weights.nccl import WeightReceiver, WeightSender
-from rl360.serve.weights.plan import NameMap, checksum_state, plan_buckets
-from rl360.serve.weights.transports import free_port
+from rl360.weights.nccl import WeightReceiver, WeightSender
+from rl360.weights.plan import NameMap, checksum_state, plan_buckets
+from rl360.weights.transports import free_port
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -68,7 +68,7 @@ def test_send_before_open_is_refused() -> None:
 
 
 def _gloo_receiver(port: int, spec, q) -> None:  # type: ignore[no-untyped-def]
-    from rl360.serve.weights.transports import GlooGroup
+    from rl360.weights.transports import GlooGroup
 
     torch.set_num_threads(1)
     group = GlooGroup("127.0.0.1", port, 1, 2, chunk_mb=0.001)
@@ -79,7 +79,7 @@ def _gloo_receiver(port: int, spec, q) -> None:  # type: ignore[no-untyped-def]
 def test_gloo_group_sends_versions_in_chunks() -> None:
     """The CPU collective path: flat per-dtype buffers kept between versions, each broadcast
     as many ~1 KB chunks in flight at once; both versions arrive intact."""
-    from rl360.serve.weights.transports import GlooGroup, tensor_spec
+    from rl360.weights.transports import GlooGroup, tensor_spec
 
     state = _state()
     spec = tensor_spec(state)

@@ -25,7 +25,7 @@ CUDA_VISIBLE_DEVICES numbering does not fool it):
   that GPU, so colocation needs room for one extra copy of the weights.
 
 Everything here that needs a GPU raises a clear error without one; the planning, name mapping
-and checksums it uses are CPU code in rl360.serve.weights.plan.
+and checksums it uses are CPU code in rl360.weights.plan.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from rl360.serve.weights.plan import NameMap, Spec, checksum_state, plan_buckets
+from rl360.weights.plan import NameMap, Spec, checksum_state, plan_buckets
 
 log = logging.getLogger("rl360.weights.nccl")
 

@@ -1,11 +1,11 @@
 """Weight transports: how a new policy version reaches every engine replica.
 
 Both sit behind `WeightTransport.publish(version)` and both announce the version through the
-WeightPublisher actor, which the replicas long-poll (rl360.serve.weights.publisher.follow_weights):
+WeightPublisher actor, which the replicas long-poll (rl360.weights.publisher.follow_weights):
 
 - "object_store": the trainer's rank 0 puts each version into the object store as one packed
   object (full, or a delta against the version before); each replica fetches it (zero-copy on
-  the same node) and loads it into its parameters in place (rl360.serve.weights.packing).
+  the same node) and loads it into its parameters in place (rl360.weights.packing).
 - "collective": a gloo group (NCCL on GPUs) of the sender (rank 0) and every engine replica;
   the weights are flattened into one buffer per dtype and broadcast, then unflattened on the
   replicas. No object store copy at all.
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from rl360.recipe import CollectiveSync, ObjectStoreSync, WeightSync
-from rl360.serve.weights.plan import compare_checksums, plan_buckets
+from rl360.weights.plan import compare_checksums, plan_buckets
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64)}
 
@@ -121,7 +121,7 @@ class GlooGroup:
 
 
 class ObjectStoreTransport:
-    """Rank 0 packs each version into ONE object-store object (rl360.serve.weights.packing):
+    """Rank 0 packs each version into ONE object-store object (rl360.weights.packing):
     full, or with `options.delta` the bits changed since the version before; replicas fetch
     zero-copy views and load them into their parameters in place.
 
@@ -154,7 +154,7 @@ class ObjectStoreTransport:
 
 class CollectiveTransport:
     """Broadcast from a sender holding the weights to every engine replica: over gloo (CPU), or
-    on GPUs over NCCL / CUDA IPC (rl360.serve.weights.nccl) as `options` (the recipe's
+    on GPUs over NCCL / CUDA IPC (rl360.weights.nccl) as `options` (the recipe's
     CollectiveSync) say.
 
     `sender` is anything with `open_group(host, port, world)` and `send_weights()` remote

@@ -1,10 +1,10 @@
 """The device-independent half of collective weight sync: what goes in which bucket, which
 trainer name lands on which engine name, and per-tensor checksums to prove a sync arrived
 intact. Pure functions of tensor metadata (and of tensors for checksums); the NCCL half lives in
-rl360.serve.weights.nccl.
+rl360.weights.nccl.
 
 A *spec* is the trainer's `[(name, shape, dtype_str), ...]` in send order
-(rl360.serve.weights.transports.tensor_spec). Buckets keep that order, so sender and receivers agree on
+(rl360.weights.transports.tensor_spec). Buckets keep that order, so sender and receivers agree on
 the byte stream without any extra handshake.
 """
 

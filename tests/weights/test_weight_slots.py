@@ -1,4 +1,4 @@
-"""Weight slots (rl360.serve.weights.slots): shared memory the sender rewrites in place. A
+"""Weight slots (rl360.weights.slots): shared memory the sender rewrites in place. A
 replica serves a version out of a slot, bit-exact and read-only; the sender never rewrites a
 slot the publisher says is claimed (served, handed out, hinted, or the newest), nor the one it
 wrote last; with every slot claimed it makes no more than its limit and the version goes to
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from rl360.serve.weights.packing import PackedUpdate, WeightPacker, fetch_update
-from rl360.serve.weights.publisher import WeightPublisher
-from rl360.serve.weights.slots import CAN_WAIT, SlotReader, SlotWatch, SlotWriter
-from tests.serve.weights.test_weight_delta import Net, _step, _trainer_state
+from rl360.weights.packing import PackedUpdate, WeightPacker, fetch_update
+from rl360.weights.publisher import WeightPublisher
+from rl360.weights.slots import CAN_WAIT, SlotReader, SlotWatch, SlotWriter
+from tests.weights.test_weight_delta import Net, _step, _trainer_state
 
 
 def _chain(version: int, packed: object, desc: dict[str, object]) -> dict[str, object]:

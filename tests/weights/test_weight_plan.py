@@ -13,7 +13,7 @@ from rl360.recipe import (
     checked,
     decode_recipe,
 )
-from rl360.serve.weights.plan import (
+from rl360.weights.plan import (
     NameMap,
     bucket_bytes,
     check_names,
@@ -22,7 +22,7 @@ from rl360.serve.weights.plan import (
     plan_buckets,
     tensor_checksum,
 )
-from rl360.serve.weights.transports import tensor_spec
+from rl360.weights.transports import tensor_spec
 
 MB = 1024 * 1024
 

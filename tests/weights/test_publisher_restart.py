@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from rl360.serve.weights.packing import WeightPacker
-from rl360.serve.weights.publisher import WeightPublisher, follow_weights
+from rl360.weights.packing import WeightPacker
+from rl360.weights.publisher import WeightPublisher, follow_weights
 
 
 def _meta(packet: Any) -> dict[str, Any]:

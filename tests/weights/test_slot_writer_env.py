@@ -1,5 +1,5 @@
 """The process that writes weight slots (trainer rank 0) is started with glibc's streaming-store
-threshold lowered (rl360.serve.weights.slots.writer_env): the setting is one glibc accepts, a
+threshold lowered (rl360.weights.slots.writer_env): the setting is one glibc accepts, a
 caller's other tunables are kept, and only rank 0 of a run that writes slots gets it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from rl360.launch.train_run import trainer_rank_options
 from rl360.recipe import apply_overrides, decode_recipe
-from rl360.serve.weights.slots import STREAM_FROM_BYTES, writer_env
+from rl360.weights.slots import STREAM_FROM_BYTES, writer_env
 
 LOADER = Path("/lib64/ld-linux-x86-64.so.2")
 x86 = pytest.mark.skipif(platform.machine() != "x86_64", reason="an x86-64 glibc tunable")

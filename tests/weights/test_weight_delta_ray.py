@@ -27,7 +27,7 @@ def test_object_store_full_then_delta_versions(ray_cluster, tiny_dir: Path) -> N
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import ObjectStoreSync, TrainerSection
-    from rl360.serve.weights.transports import ObjectStoreTransport
+    from rl360.weights.transports import ObjectStoreTransport
 
     with serving(["engine.replicas=1", "model.dtype='bfloat16'"]) as handles:
         trainer = TrainerGroup(TrainerSection(num_cpus=0, lr=1e-6), tiny_dir)
@@ -83,7 +83,7 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import ObjectStoreSync, TrainerSection
-    from rl360.serve.weights.transports import ObjectStoreTransport
+    from rl360.weights.transports import ObjectStoreTransport
 
     with serving(["engine.replicas=1"]) as handles:
         # a sender keeps its first packer settings: one trainer per setting, one at a time

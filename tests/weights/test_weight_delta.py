@@ -1,4 +1,4 @@
-"""Packed weight versions (rl360.serve.weights.packing) without Ray: a replica that follows
+"""Packed weight versions (rl360.weights.packing) without Ray: a replica that follows
 full and delta versions ends bit-identical to one that loads every version in full; missed
 versions, a drifted replica and oversized deltas take the documented fallbacks."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl360.serve.weights.packing import (
+from rl360.weights.packing import (
     ChecksumMismatch,
     DeltaPacket,
     FullPacket,
@@ -268,7 +268,7 @@ def test_delta_is_an_object_store_key_in_the_recipe() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
 @pytest.mark.parametrize("n", [1, 7, 64, 1001])
 def test_changed_positions_match_an_element_compare(dtype: torch.dtype, n: int) -> None:
-    from rl360.serve.weights.packing import changed_positions, raw
+    from rl360.weights.packing import changed_positions, raw
 
     g = torch.Generator().manual_seed(n)
     a = (torch.randn(n, generator=g) * 100).to(dtype)
