@@ -280,6 +280,29 @@ class LossSection(_S):
             raise ValueError(f"tis_cap: expected 0 (off) or >= 1, got {self.tis_cap}")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSection(_S):
+    """[trainer.lora]: train low-rank adapters instead of every weight (torch, fsdp). The
+    update of a target projection is (alpha / rank) * B @ A with A [rank, in], B [out, rank];
+    the base stays frozen and is the KL reference (adapters off). Checkpoints hold the adapter
+    alone (peft's files) plus the trainer state. `targets` are last name components of the
+    decoder layers' linear projections (`rl360 recipe check` compares them with the model's)."""
+
+    rank: Annotated[int, Meta(ge=1, le=1024)] = 16
+    alpha: Annotated[float, Meta(gt=0.0, le=65536.0)] = 32.0
+    dropout: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
+    targets: Annotated[list[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]],
+                       Meta(min_length=1)] = msgspec.field(
+        default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        dup = sorted({t for t in self.targets if self.targets.count(t) > 1})
+        if dup:
+            raise ValueError(f"targets: {dup[0]!r} is listed twice")
+
+
 class TrainerSection(_S):
     # torch: replicated data parallel; fsdp: torch sharded with FSDP2 (rl360.policies.trainer_fsdp);
     # megatron: tensor parallel (GPU clusters)
@@ -329,6 +352,14 @@ class TrainerSection(_S):
     pipeline_parallel: PosInt = 1
     context_parallel: PosInt = 1
     expert_parallel: PosInt = 1
+    # low-rank adapters instead of full fine-tuning (torch, fsdp): [trainer.lora] rank, alpha,
+    # dropout, targets; absent = every weight trains
+    lora: LoraSection | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora is not None and self.backend == "megatron":
+            raise ValueError("lora: the megatron backend trains every weight; use backend "
+                             "'torch' or 'fsdp' for adapters")
 
 
 class ClusterRole(_S):
@@ -545,6 +576,8 @@ def _describe(info: Any) -> str:
         return "one of " + ", ".join(repr(v) for v in info.values)
     if isinstance(info, mi.ListType) and info.min_length:
         return f"a list of at least {info.min_length} item(s)"
+    if isinstance(info, mi.StrType) and info.pattern:
+        return f"a string matching {info.pattern}"
     kind = {mi.FloatType: "a float", mi.IntType: "an int"}.get(type(info))
     if kind is None:
         return "a valid value"

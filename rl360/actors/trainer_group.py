@@ -138,8 +138,10 @@ class TrainerWorker:
         (views): whoever sends copies them once anyway (into the object store, or into a
         socket), so the snapshot copy of state_dict_for_sync would be a second one."""
         t = self.trainer
-        # exactly TorchTrainer: subclasses (FSDPTrainer) hold sharded parameters
-        if type(t) is TorchTrainer and all(p.device.type == "cpu" for p in t.params):
+        # exactly TorchTrainer: subclasses (FSDPTrainer) hold sharded parameters; with
+        # adapters the weights to send are merged ones (state_dict_for_sync)
+        if (type(t) is TorchTrainer and t.lora is None
+                and all(p.device.type == "cpu" for p in t.params)):
             return {k: v.detach() for k, v in t.model.state_dict().items()}
         return t.state_dict_for_sync()
 

@@ -50,6 +50,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rl360.policies.lora import adapter_state, is_lora_key, merged_state, save_adapter
 from rl360.policies.trainer_torch import STATE_FILE, MicroBatch, StepMetrics, TorchTrainer
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
@@ -186,7 +187,7 @@ class FSDPTrainer(TorchTrainer):
             return super()._forward_backward(mb, acc, global_tokens, global_seqs)
         # no loss tokens here: still run every forward and backward the other ranks run
         if self.reference is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._reference_scope():
                 self._logits(self.reference, mb)
         (self._logits(self.model, mb).sum() * 0.0).backward()
         return torch.zeros((), dtype=torch.float64)
@@ -203,38 +204,62 @@ class FSDPTrainer(TorchTrainer):
 
     def _gather(self) -> dict[str, Tensor]:
         """Every rank gathers each full parameter in turn; rank 0 keeps CPU copies under the
-        HF names (tied weights share one copy). Collective."""
+        HF names (tied weights share one copy). Collective. With adapters the frozen base is
+        gathered once and kept; later gathers fetch the adapter tensors only."""
         keep = self.rank == 0
-        out: dict[str, Tensor] = {}
+        base = getattr(self, "_base", None)
+        out: dict[str, Tensor] = dict(base) if base is not None else {}
         seen: dict[int, Tensor | None] = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
+            if base is not None and not is_lora_key(name):
+                continue
             if id(t) not in seen:
                 full = t.full_tensor() if isinstance(t, DTensor) else t
                 seen[id(t)] = full.detach().to("cpu", copy=True).contiguous() if keep else None
             copy = seen[id(t)]
             if copy is not None:
                 out[name] = copy
+        if self.lora is not None and base is None:
+            self._base = {k: v for k, v in out.items() if not is_lora_key(k)}
         return out
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
         """The full weights after the latest step (rank 0 only, no collective)."""
         if self.rank != 0:
             raise RuntimeError("fsdp trainer: only rank 0 holds the gathered weights for sync")
+        if self.lora is not None:
+            return merged_state(self._full, self.lora.scaling)
         return dict(self._full)
+
+    def adapter_for_sync(self) -> dict[str, Tensor]:
+        """The adapter tensors after the latest step (rank 0 only, no collective)."""
+        if self.rank != 0 or self.lora is None:
+            raise RuntimeError("fsdp trainer: adapters for sync are rank 0's, with trainer.lora")
+        return adapter_state(self._full)
+
+    def _model_state(self) -> dict[str, Any]:
+        """The model's part of a sharded checkpoint: with adapters the adapters alone (the
+        frozen base is the model path's)."""
+        opts = StateDictOptions(ignore_frozen_params=self.lora is not None)
+        return get_model_state_dict(self.model, options=opts)
 
     def save(self, out_dir: str | Path) -> Path:
         """Collective: every rank writes its shards to <out_dir>/fsdp; rank 0 the HF export."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        state: dict[str, Any] = {"model": self._model_state()}
         if self.optimizer.state:  # no step yet: nothing to save (and DCP would invent one)
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         dcp.save(state, checkpoint_id=out / SHARDS_DIR)
-        if self.rank == 0:
+        if self.rank == 0 and self.lora is not None:
+            save_adapter(out, adapter_state(self._full), self.lora,
+                         str(self.model_path.resolve()))
+        elif self.rank == 0:
             save_torch_state_dict(self._full, out, max_shard_size="5GB")
             self.model.config.save_pretrained(out)
             if getattr(self.model, "generation_config", None) is not None:
                 self.model.generation_config.save_pretrained(out)
+        if self.rank == 0:
             for name, data in self._side_files.items():
                 if not (out / name).exists():
                     (out / name).write_bytes(data)
@@ -251,11 +276,12 @@ class FSDPTrainer(TorchTrainer):
             raise FileNotFoundError(f"{src} has no {STATE_FILE} and {SHARDS_DIR}/: not an fsdp "
                                     "trainer checkpoint (resume with the backend that wrote it)")
         train_state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=True)
-        state: dict[str, Any] = {"model": get_model_state_dict(self.model)}
+        state: dict[str, Any] = {"model": self._model_state()}
         if train_state["optimizer"]:
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         dcp.load(state, checkpoint_id=src / SHARDS_DIR)
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"],
+                             options=StateDictOptions(strict=self.lora is None))
         if "optim" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self._restore_train_state(train_state)

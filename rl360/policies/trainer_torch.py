@@ -35,6 +35,19 @@ from torch import Tensor
 from rl360.policies.affinity import pin_to_cpus, set_niceness
 from rl360.policies.batching import MicroBatch, StepMetrics, split_even, validate_samples
 from rl360.policies.devices import Placement, select_device
+from rl360.policies.lora import (
+    ADAPTER_CONFIG,
+    LoraSpec,
+    adapter_state,
+    adapters_off,
+    add_lora,
+    is_adapter_dir,
+    load_adapter_tensors,
+    merged_state,
+    read_adapter,
+    read_adapter_config,
+    save_adapter,
+)
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.native_llama import load_native_llama, native_config
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
@@ -44,7 +57,7 @@ from rl360.types import Batch, TrainSample
 
 STATE_FILE = "trainer_state.pt"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-_NOT_COPIED = {"config.json", "generation_config.json", STATE_FILE}
+_NOT_COPIED = {"config.json", "generation_config.json", STATE_FILE, ADAPTER_CONFIG}
 _BUCKET_NUMEL = 8 * 1024 * 1024  # gradient all-reduce bucket (elements)
 
 
@@ -75,9 +88,12 @@ class TorchTrainer:
                       or model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})
         cfg = model.config
+        self._add_adapters(model)
         self.model = self._place(model)
         self._setup_optimization(config)
-        if self.loss_fn.needs_reference:
+        if self.loss_fn.needs_reference and self.lora is not None:
+            self.reference = self.model  # the base: the same model with its adapters off
+        elif self.loss_fn.needs_reference:
             ref = self._load_pretrained()
             self.reference = self._place(ref.train(False).requires_grad_(False))
         self.vocab = int(cfg.vocab_size)
@@ -115,12 +131,46 @@ class TorchTrainer:
         # sharded outside its own forward set fused_head_ok = False)
         self.fused_logprobs = config.fused_logprobs and self.fused_head_ok
         self.model_path = Path(model_path)
+        self._lora_paths(config)
         pin_to_cpus(config.cpu_affinity, "trainer.cpu_affinity")
         set_niceness(config.nice, "trainer.nice")
         if config.threads > 0:
             torch.set_num_threads(config.threads)
         torch.manual_seed(seed)
         random.seed(seed)
+
+    def _lora_paths(self, config: TrainerSection) -> None:
+        """`trainer.lora`: the adapter spec, and when the model path is an adapter directory
+        (a LoRA checkpoint: a resumed run's policy) its base becomes the model path and its
+        tensors the adapters' starting values."""
+        self.lora = LoraSpec.of(config.lora) if config.lora is not None else None
+        self.adapter_init: Path | None = None
+        if not is_adapter_dir(self.model_path):
+            return
+        spec, base = read_adapter_config(self.model_path)
+        if self.lora is None:
+            raise ValueError(f"{self.model_path} is a LoRA adapter (base {base!r}): train it "
+                             "with [trainer.lora], or merge it into its base (rl360 merge)")
+        self.lora.require_like(spec, str(self.model_path))
+        if not base or not (Path(base) / "config.json").is_file():
+            raise ValueError(f"{self.model_path}: the adapter's base model {base!r} is not a "
+                             "model directory here")
+        self.adapter_init, self.model_path = self.model_path, Path(base)
+
+    def _add_adapters(self, model: Any) -> None:
+        """Wrap the target projections in adapters (every other weight frozen); from the
+        adapter checkpoint the trainer was built from, if any. A model on the meta device (a
+        sharded backend's rank > 0) gets its values from rank 0 when placed."""
+        if self.lora is None:
+            return
+        add_lora(model, self.lora)
+        if self.adapter_init is not None and next(model.parameters()).device.type != "meta":
+            load_adapter_tensors(model, read_adapter(self.adapter_init).tensors,
+                                 str(self.adapter_init))
+
+    def _reference_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Where the reference policy runs: the base alone when it is the adapted model."""
+        return adapters_off(self.model) if self.lora is not None else contextlib.nullcontext()
 
     def _setup_optimization(self, config: TrainerSection) -> None:
         """AdamW over the trainable parameters with linear warm-up, the policy loss and the
@@ -361,7 +411,7 @@ class TorchTrainer:
             return torch.zeros((), dtype=torch.float64)
         ref_logprobs = None
         if self.reference is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._reference_scope():
                 ref_logprobs, _ = self._token_logprobs(self.reference, mb)
         bonus_coef = self.config.loss.entropy_coef
         logprobs, entropy = self._token_logprobs(self.model, mb, entropy_grad=bonus_coef > 0)
@@ -424,21 +474,44 @@ class TorchTrainer:
     # ------------------------------------------------------------------ weights and state
 
     def state_dict_for_sync(self) -> dict[str, Tensor]:
-        """Detached, contiguous CPU copies under the HF names (tied weights share one copy)."""
+        """Detached, contiguous CPU copies under the HF names (tied weights share one copy).
+        With adapters: the plain model's weights, each adapted one merged (W + s * B @ A)."""
+        state = self.model.state_dict()
+        merged: set[str] = set()
+        if self.lora is not None:
+            before = state
+            state = merged_state(before, self.lora.scaling)
+            merged = {k for k, v in state.items() if v is not before[k]}
         out: dict[str, Tensor] = {}
         seen: dict[tuple[Any, ...], Tensor] = {}
-        for name, t in self.model.state_dict().items():
+        for name, t in state.items():
+            if name in merged:  # a fresh tensor already
+                out[name] = t.detach().to("cpu").contiguous()
+                continue
             key = (t.data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
             if key not in seen:
                 seen[key] = t.detach().to("cpu", copy=True).contiguous()
             out[name] = seen[key]
         return out
 
+    def adapter_for_sync(self) -> dict[str, Tensor]:
+        """The adapter tensors alone (`<proj>.lora_A.weight`, `<proj>.lora_B.weight`): CPU
+        copies."""
+        if self.lora is None:
+            raise RuntimeError("adapter_for_sync: this trainer has no trainer.lora adapters")
+        return {k: v.detach().to("cpu", copy=True).contiguous()
+                for k, v in adapter_state(self.model.state_dict()).items()}
+
     def save(self, out_dir: str | Path) -> Path:
-        """HF safetensors + config + tokenizer files from the model path + trainer_state.pt."""
+        """HF safetensors + config + tokenizer files from the model path + trainer_state.pt;
+        with adapters, the adapter alone (peft's files, naming its base) instead of the model."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out, safe_serialization=True)
+        if self.lora is not None:
+            save_adapter(out, adapter_state(self.model.state_dict()), self.lora,
+                         str(self.model_path.resolve()))
+        else:
+            self.model.save_pretrained(out, safe_serialization=True)
         for name, data in self._side_files.items():
             if not (out / name).exists():
                 (out / name).write_bytes(data)
@@ -467,13 +540,27 @@ class TorchTrainer:
         src = Path(in_dir)
         if not (src / STATE_FILE).is_file():
             raise FileNotFoundError(f"{src} has no {STATE_FILE}: not a trainer checkpoint")
-        loaded = self._load_pretrained(src)
-        with torch.no_grad():
-            self.model.load_state_dict(loaded.state_dict(), strict=True)
-        del loaded
+        if self.lora is not None:
+            self._load_adapter(src)
+        else:
+            loaded = self._load_pretrained(src)
+            with torch.no_grad():
+                self.model.load_state_dict(loaded.state_dict(), strict=True)
+            del loaded
         state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self._restore_train_state(state)
+
+    def _load_adapter(self, src: Path) -> None:
+        """The adapter of a LoRA checkpoint into this trainer's adapters (same rank, alpha and
+        targets; the base is this trainer's)."""
+        if not is_adapter_dir(src):
+            raise FileNotFoundError(f"{src} holds no LoRA adapter (trainer.lora is set): not a "
+                                    "checkpoint of an adapter run")
+        adapter = read_adapter(src)
+        assert self.lora is not None
+        self.lora.require_like(adapter.spec, str(src))
+        load_adapter_tensors(self.model, adapter.tensors, str(src))
 
     def _restore_train_state(self, state: dict[str, Any]) -> None:
         """Scheduler, step and RNG state from a `_train_state()` dict."""
