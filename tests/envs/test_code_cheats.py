@@ -416,3 +416,33 @@ def table():
 """
     r = await _grade(make_sandbox, bwrap_backend, solution, task)
     assert r.value == 1.0, r.info
+
+
+ITER_TASK = Task(
+    id="add7-iterated",
+    prompt="Write add_seven(x).",
+    data={
+        "entry_point": "add_seven",
+        "tests": [
+            "assert all(map(lambda x: add_seven(x) == x + 7, range(5)))",
+            "assert sum(map(add_seven, [-7, -7])) == 0",
+            "assert not any(map(lambda x: add_seven(x) != x + 7, range(5)))",
+            "assert list(map(add_seven, [0, 1])) == [7, 8]",
+        ],
+    },
+)
+ENDS_ITERATION = {
+    "StopIteration": "def add_seven(x):\n    raise StopIteration\n",
+    "StopIteration with a value": "def add_seven(x):\n    raise StopIteration(7)\n",
+    "StopAsyncIteration": "def add_seven(x):\n    raise StopAsyncIteration\n",
+    "next of an empty iterator": "def add_seven(x):\n    return next(iter([]))\n",
+}
+
+
+@pytest.mark.parametrize("cheat", ENDS_ITERATION.values(), ids=list(ENDS_ITERATION))
+async def test_exceptions_that_end_iteration_are_errors(bwrap_backend, make_sandbox, cheat):
+    """A solution's StopIteration would end the iteration of `all(map(...))`, `sum(map(...))`
+    and `any(map(...))` in the test, which then pass: it reaches the test as an ordinary error."""
+    assert (await _grade(make_sandbox, bwrap_backend, HONEST, ITER_TASK)).value == 1.0
+    r = await _grade(make_sandbox, bwrap_backend, cheat, ITER_TASK)
+    assert r.value == 0.0, r.info

@@ -9,6 +9,9 @@ compiled code when its interpreter's magic number is the same, else it compiles 
 sandbox with another Python still works, only slower). It reads with exact-size reads (no
 read-ahead), so whatever follows on stdin (the runner's spec, the exec server's requests) is
 still unread when the script starts. The script finds its source as the global BOOT_SOURCE.
+BOOT makes its process non-dumpable (prctl PR_SET_DUMPABLE 0) before it reads a byte: a process
+of the same uid can then neither trace it nor open its /proc/<pid>/fd, so the stdin memfd that
+holds what follows (the runner's nonce and tests) is the process's alone from the start.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import marshal
 # runs inside the sandbox with `python -I -S -c BOOT [args]` (stdlib only)
 BOOT = """\
 import marshal, os, sys
+try:
+    import _ctypes
+    _ctypes.call_function(_ctypes.dlsym(_ctypes.dlopen(None), "prctl"), (4, 0, 0, 0, 0))
+except Exception:
+    pass
 def _rd(n):
     b = b""
     while len(b) < n:

@@ -1,8 +1,8 @@
 """The isolated test runner: runs INSIDE a sandbox (stdlib only, never imports rl360).
 
 Started as `python -I -S -c <this source> parent` with the spec (JSON: nonce, solution, tests,
-per-test timeout) on stdin. The PARENT reads and closes stdin, makes itself non-dumpable (no
-ptrace, no /proc/<pid>/mem or fd/ from the sandbox's capability-less processes) and then, for
+per-test timeout) on stdin. The PARENT makes itself non-dumpable (no ptrace, no /proc/<pid>/mem
+or fd/ from the sandbox's capability-less processes), reads and closes stdin and then, for
 each test, starts a fresh CHILD (`... -c <source> child`) that loads the solution. The child
 gets only two new pipes (requests in, replies out) and /dev/null; it never holds the nonce, the
 tests, or the parent's stdout (the report channel).
@@ -292,7 +292,14 @@ class Timeout(BaseException):
 
 
 class RemoteError(Exception):
-    """The solution raised something that is not a built-in exception."""
+    """The solution raised something that is not a built-in exception, or one that ends an
+    iteration (ENDS_ITERATION)."""
+
+
+# raised by a solution's function inside the test's `all(map(f, xs))`, `sum(map(...))` or a
+# `for` over `map`, StopIteration ends that iteration early and the assert passes on what was
+# left: these reach the test as an ordinary error instead (as PEP 479 does for generators)
+ENDS_ITERATION = (StopIteration, StopAsyncIteration)
 
 
 class Remote:
@@ -415,6 +422,8 @@ class Child:
                 name, text = reply.get("err"), reply.get("msg")
                 cls = getattr(builtins, name, None) if type(name) is str else None
                 text = text if type(text) is str else ""
+                if cls in ENDS_ITERATION:  # would end the test's map()/all()/sum() early
+                    raise RemoteError(f"{name} raised by the solution: {text}")
                 if isinstance(cls, type) and issubclass(cls, Exception):
                     try:
                         exc = cls(text)
@@ -602,12 +611,12 @@ def _read_rest(fd):
 def parent_main(source=None):
     """`source`: this file's text, given by BOOT (which also sent the code compiled and sends
     the spec as marshal data); None when started as `-c <source> parent` with a JSON spec."""
+    set_dumpable(0)  # before the spec is read (BOOT did so already before its first read)
     zygote = start_zygote(os.getcwd())
     raw = _read_rest(0)
     spec = marshal.loads(raw) if source is not None else json_loads(raw)
     sys.stdin.close()
     os.close(0)
-    set_dumpable(0)
     out = sys.stdout
     nonce, per = spec["nonce"], float(spec["per_test_timeout"])
     source = source if source is not None else spec["source"]
