@@ -18,7 +18,7 @@ class WarmStartError(RuntimeError):
 
 def sft_command(recipe: Recipe, args: argparse.Namespace) -> int:
     """`rl360 sft recipe.toml`: supervised fine-tuning on the recipe's [sft] chats."""
-    stats = run_sft(recipe.sft, seed=recipe.run.seed)
+    stats = run_sft(recipe.sft, seed=recipe.run.seed, chat_template=recipe.model.chat_template)
     print(f"sft: {stats['samples']} chats, final loss {stats['loss']:.4f}, "
           f"{stats['seconds']:.1f}s -> {recipe.sft.out}")
     return 0
@@ -35,7 +35,7 @@ def ensure_warm_start(recipe: Recipe, resuming: bool) -> str:
             why = (f"no warm start at {init}" if not (Path(init) / "config.json").is_file()
                    else f"the warm start at {init} was made from other [sft] settings or data")
             print(f"rl360: {why}: running `rl360 sft` first", file=sys.stderr)
-            stats = run_sft(recipe.sft, seed=recipe.run.seed)
+            stats = run_sft(recipe.sft, seed=recipe.run.seed, chat_template=recipe.model.chat_template)
             print(f"rl360: warm start done: loss {stats['loss']:.4f} in {stats['seconds']:.0f}s")
     if not (Path(init) / "config.json").is_file():
         raise WarmStartError(f"train.init {init!r} is not a model directory; create it first "

@@ -29,6 +29,8 @@ class ParsedAssistant:
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     malformed_tool_calls: int = 0
+    # one reason per malformed call ("not JSON", "no name", "unclosed <tool_call>", ...)
+    malformed_reasons: list[str] = field(default_factory=list)
 
 
 class ChatRenderer:
@@ -130,45 +132,66 @@ class ChatRenderer:
     # ------------------------------------------------------------------ parsing
 
     def parse_assistant(self, text: str) -> ParsedAssistant:
-        """Split generated text into content and tool calls. A malformed call (bad JSON, no
-        name) stays in the content as plain text and is counted."""
+        """Split generated text into content and tool calls. A tagged span holds one call
+        object (`{"name": ..., "arguments": {...}}`, Qwen's form) or a list of them (SmolLM2's
+        form; `[]` is no call). A malformed span (bad JSON, no name, arguments that are no
+        object) stays in the content as plain text and is counted with its reason; so is an
+        opening marker with no closing one."""
         calls: list[ToolCall] = []
-        malformed = 0
+        reasons: list[str] = []
         kept: list[str] = []
         pos = 0
         for m in self._tool_re.finditer(text):
-            call = _parse_tool_call_json(m.group(1))
-            if call is None:
-                malformed += 1
+            got, why = _parse_tool_call_span(m.group(1))
+            if why:
+                reasons.extend(why)
+            if not got and why:
                 continue  # left in place: the span is kept as content below
             kept.append(text[pos : m.start()])
             pos = m.end()
-            calls.append(call)
+            calls.extend(got)
         kept.append(text[pos:])
         content = "".join(kept)
-        # an opening marker with no closing one is a malformed call too
         unclosed = content.count(self.tool_call_open) - content.count(self.tool_call_close)
-        malformed += max(unclosed, 0)
+        reasons.extend([f"unclosed {self.tool_call_open}"] * max(unclosed, 0))
         if calls:
             content = content.rstrip()
-        return ParsedAssistant(content=content, tool_calls=calls, malformed_tool_calls=malformed)
+        return ParsedAssistant(content=content, tool_calls=calls,
+                               malformed_tool_calls=len(reasons), malformed_reasons=reasons)
 
 
-def _parse_tool_call_json(body: str) -> ToolCall | None:
+def _parse_tool_call_span(body: str) -> tuple[list[ToolCall], list[str]]:
+    """The calls in one tagged span and the reasons of the malformed ones."""
     try:
         obj = json.loads(body.strip())
-    except (json.JSONDecodeError, ValueError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
+    except (json.JSONDecodeError, ValueError) as e:
+        return [], [f"not JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e})"]
+    items = obj if isinstance(obj, list) else [obj]
+    calls: list[ToolCall] = []
+    reasons: list[str] = []
+    for item in items:
+        call = _tool_call_from(item)
+        if isinstance(call, str):
+            reasons.append(call)
+        else:
+            calls.append(call)
+    return calls, reasons
+
+
+def _tool_call_from(obj: Any) -> ToolCall | str:
+    """A ToolCall from one decoded call object, or why it is not one."""
+    if not isinstance(obj, dict):
+        return f"a call must be a JSON object, got {type(obj).__name__}"
+    if not isinstance(obj.get("name"), str) or not obj["name"]:
+        return "no name"
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
             args = json.loads(args)
         except (json.JSONDecodeError, ValueError):
-            return None
+            return "arguments are a string that is not JSON"
     if not isinstance(args, dict):
-        return None
+        return f"arguments must be a JSON object, got {type(args).__name__}"
     return ToolCall(
         id=f"call_{uuid.uuid4().hex[:16]}",
         function=FunctionCall(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)),

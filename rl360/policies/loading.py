@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rl360.policies.templates import CHATML_TOOLS
+from rl360.policies.templates import TEMPLATES
 from rl360.policies.tiny import TINY_PRESETS, save_tiny_policy
 
 
@@ -123,8 +123,8 @@ def _tokenizer_class(path: Path) -> str:
 
 def load_tokenizer(model: str, chat_template: str = "auto") -> object:
     """The model's tokenizer, with its chat template replaced when the recipe asks:
-    "auto" keeps the tokenizer's own, "chatml_tools" uses RL360's ChatML tool template,
-    anything else is read as a path to a .jinja file.
+    "auto" keeps the tokenizer's own, a name in `templates.TEMPLATES` ("chatml_tools",
+    "smollm2_tools") uses that RL360 template, anything else is read as a path to a .jinja file.
 
     A directory whose tokenizer_config.json names the generic tokenizers-library class gets
     that class directly: AutoTokenizer would build the same object, after importing the
@@ -139,9 +139,8 @@ def load_tokenizer(model: str, chat_template: str = "auto") -> object:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(path)
-    if chat_template == "chatml_tools":
-
-        tok.chat_template = CHATML_TOOLS
+    if chat_template in TEMPLATES:
+        tok.chat_template = TEMPLATES[chat_template]
     elif chat_template != "auto":
         p = Path(chat_template).expanduser()
         if not p.is_file():

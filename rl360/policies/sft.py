@@ -194,8 +194,10 @@ def chat_texts(chats: list[dict[str, Any]]) -> Iterator[str]:
         yield renderer.render_text(msgs, tools, add_generation_prompt=False)
 
 
-def run_sft(cfg: Any, seed: int = 0) -> dict[str, float]:
-    """cfg: the recipe's SftSection. Writes an HF model directory to cfg.out."""
+def run_sft(cfg: Any, seed: int = 0, chat_template: str = "auto") -> dict[str, float]:
+    """cfg: the recipe's SftSection; chat_template: the recipe's `model.chat_template`, the
+    template the session server will render the same chats with. Writes an HF model directory
+    (its tokenizer carrying that template) to cfg.out."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -212,7 +214,7 @@ def run_sft(cfg: Any, seed: int = 0) -> dict[str, float]:
         tok = build_tiny_tokenizer()
         model = build_tiny_model(msgspec.convert(cfg.init, TinyModelSpec), tok)
     else:
-        tok = load_tokenizer(cfg.base)
+        tok = load_tokenizer(cfg.base, chat_template)
         model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.base), dtype=torch.float32)
     renderer = ChatRenderer(tok)
     data = [encode_chat(renderer, c) for c in chats]
