@@ -27,7 +27,7 @@ engine's throughput. With max_staleness = s a batch may start only once the trai
 published the version s before it, so in steady state (s + 1) steps must cover L' + s T + D
 (L' the latency with the next batches' rows in the same decode steps, T a training step, D
 the publish-to-first-token hand-offs): at s = 1 an async step is at least (L' + T + D) / 2.
-Measured on this 2-core box (session 19): L' 5.6-6.7 s against L 4.1 s alone, T 2.9-3.3 s,
+Measured on a 2-core VM: L' 5.6-6.7 s against L 4.1 s alone, T 2.9-3.3 s,
 async steps alternating 6-8 s / 2.5-3.5 s, mean 4.9-5.5 s, ratio 1.2-1.4; at s = 2 the
 trainer, not the tail, sets the step.
 
@@ -423,8 +423,8 @@ def report(res: dict[str, list[dict]], load0: str) -> None:
     print(f"  (the single-sample form, every swap below its own step before: {over * 1e3:+.1f} ms at "
           f"worst -> {'holds' if over < 0 else 'does not hold'}; identical step times with noise "
           f"fail it at about half the swaps)")
-    print(f"load before {load0}, after {loadavg()} (2-core box shared with other engineers: "
-          "figures are noisy)")
+    print(f"load before {load0}, after {loadavg()} (on a shared machine the figures move with "
+          "the load)")
     print(json.dumps({"bench": "async_speedup", "ours": round(as_, 3), "baseline": round(ss, 3),
                       "ratio": round(ratio, 3), "efficiency": round(eff, 3),
                       "ratio_per_token": round(tok_ratio, 3) if tok_ratio == tok_ratio else None,

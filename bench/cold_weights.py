@@ -1,6 +1,6 @@
 """How much slower is the first decode step on a new weight version? A decode step reads every
-weight once; a small model's weights can stay in the last-level cache between steps (this box
-reports a 300 MiB L3), and a version just swapped in is not there yet. This is the part of an
+weight once; a small model's weights can stay in the last-level cache between steps (on a
+machine whose L3 is larger than the model), and a version just swapped in is not there yet. This is the part of an
 in-flight swap's pause (`bench/async_speedup.py`) that no engine work removes: the step after a
 swap is a decode step on weights that come from memory.
 

@@ -27,7 +27,7 @@ Threads: both sides run the engine with `--threads` torch threads (default 1: th
 replica reserves one CPU, `engine.num_cpus = 1`, and Ray starts it with OMP_NUM_THREADS=1).
 `--threads 2` makes the server's engine use more than it reserved: libgomp's second thread
 spin-waits after every parallel region and takes the core the session server, shard and
-client need (2026-12-06: ratio 0.32 at 2 threads against 0.6-0.7 at 1), while the tiny model
+client need (measured: ratio 0.32 at 2 threads against 0.6-0.7 at 1), while the tiny model
 gains nothing from it in process (10.3k vs 10.6k tok/s).
 The last line is
 {"bench": "serve_overhead", "ours": <server tok/s>, "baseline": <direct tok/s>, "ratio": ...}

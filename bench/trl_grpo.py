@@ -1,8 +1,8 @@
-"""The peer baseline of the demo (issue #14): TRL's `GRPOTrainer` on the demo's code tasks, from
+"""The peer baseline of the demo: TRL's `GRPOTrainer` on the demo's code tasks, from
 the demo's own warm start, with the demo recipe's settings, timed to the demo's target.
 
 What is compared: wall-clock seconds until the mean reward reaches the target, against `make
-demo` (README "The demo": the same warm start, `rl360 train recipes/cpu-demo.toml`). The demo's
+demo` (docs/demo.md: the same warm start, `rl360 train recipes/cpu-demo.toml`). The demo's
 target is 0.85 mean reward on its 32 tasks; the 2 Harbor tool tasks score 0 there (and TRL has
 no sandboxed tool env to run them), so TRL trains on the 30 code tasks only and the target is
 0.85 x 32 / 30 = 0.907 on them.
