@@ -82,7 +82,7 @@ $(MERGEKIT_STAMP):
 bench-mergekit: venv $(MERGEKIT_STAMP)
 	$(BIN)/python bench/merge.py --vs-mergekit --mergekit $(MERGEKIT_VENV)/bin/mergekit-yaml
 
-# TRL's GRPOTrainer as the peer baseline of the demo (bench/trl_grpo.py, issue #14): its own
+# TRL's GRPOTrainer as the peer baseline of the demo (bench/trl_grpo.py, docs/demo.md): its own
 # venv, so `make test` and the main venv are unchanged. torch first, the pinned CPU wheel, so
 # TRL's requirements do not pull a CUDA build; then rl360 itself, editable and --no-deps (the
 # bench imports only its task loader, answer extraction, reward and chat renderer, which need
