@@ -10,7 +10,7 @@ that it runs one group (a probe). A probe that is still all-failed parks it agai
 with a reward above 0, or with variance, unparks it and clears its count. Groups that failed
 entirely on the infrastructure say nothing about the task and change nothing. Only a task that
 has given no signal in this run is parked: one that had a success or variance once and then
-fails (a task the policy lost: README "The demo") keeps running every pass, since sampling is
+fails (a task the policy lost: docs/demo.md) keeps running every pass, since sampling is
 its way back, and a task every episode solves is never parked (forgetting shows there first).
 
 A skipped offer still takes its place in the stream (`tasks_taken`; the ledger records it as a

@@ -4,7 +4,7 @@ Reads each run's `metrics.jsonl` (a run directory or the file itself), draws `re
 (or `--metric`, e.g. `task_reward_mean` for runs that park tasks) per step against
 `elapsed_s` (seconds since the run started: Ray, Serve and the actors included) or the step
 number, and prints, per run, the first step and time at which the
-reward reached `--target`. Used for the README's sync/async pair of the CPU demo.
+reward reached `--target`: e.g. the CPU demo's async and sync runs (docs/demo.md).
 """
 
 from __future__ import annotations

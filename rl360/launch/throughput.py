@@ -38,12 +38,12 @@ MEM_EFF, DECODE_EFF = 0.5, 0.4
 MFU = {"fsdp": 0.35, "megatron": 0.35, "torch": 0.25}
 ENGINE_EFF = {"sglang": 1.0, "vllm": 1.0, "torch": 0.2}  # HF generate() is far from a roofline
 
-# the CPU demo on the 2-core box (README "The demo", 2026-11-29, quiet box): 959 generated
-# tok/s through the whole pipeline with one torch replica, ~21 tokens an episode (959 tok/s x
-# 5.6 s / 256 episodes), 0.3 s of training a step
+# a measured CPU demo run (2-core VM, quiet): 959 generated tok/s through the whole pipeline
+# with one torch replica, ~21 tokens an episode (959 tok/s x 5.6 s / 256 episodes), 0.3 s of
+# training a step; `--metrics` replaces these with a run's own figures
 CPU_ENGINE_TOKENS_PER_S = 959.0
 CPU_TRAINER_TOKENS_PER_S = 959.0 * 5.6 / 0.3
-CPU_SOURCE = "README 'The demo' (2-core CPU box, 2026-11-29)"
+CPU_SOURCE = "a measured CPU demo run (2-core VM)"
 
 
 class Figures(msgspec.Struct, kw_only=True):

@@ -92,7 +92,7 @@ def test_balance_moves_gpus_to_the_bottleneck() -> None:
 
 def test_defaults_have_sources_and_gpu_rooflines() -> None:
     cpu = figures_for(load_recipe(DEMO))
-    assert "README" in cpu.sources["engine_tokens_per_s"] and cpu.params > 0
+    assert "CPU demo run" in cpu.sources["engine_tokens_per_s"] and cpu.params > 0
     gpu = figures_for(load_recipe(DENSE))
     assert gpu.params == 8e9 and "name" in gpu.sources["params"]
     assert "roofline" in gpu.sources["engine_tokens_per_s"] and gpu.seq_tokens_per_s > 0
