@@ -351,7 +351,7 @@ def test_async_batches_hold_one_pass_without_oversampling(ray_cluster, tasks_fil
     """Async (max_staleness 1), one slow task (t2): without oversampling the first batch is
     the first pass over the 5 tasks, each once, while the next pass already runs; with it, the
     batch takes whichever groups finished first, so a quick task of the second pass stands in
-    for the slow one (an async batch's mix then swings from step to step: README "The demo")."""
+    for the slow one (an async batch's mix then swings from step to step: docs/demo.md)."""
     import ray
 
     _env, buf, _pub, ctl = start(ray, tasks_file, staleness=1, env_kw={"slow_task": "t2", "slow_s": 3.0},

@@ -1,4 +1,4 @@
-"""The data path streams (issue #13): the controller fetches only the episodes' small records,
+"""The data path streams: the controller fetches only the episodes' small records,
 the buffer and the driver hold refs, and the trainer ranks fetch the token data of their own
 shard. What the controller and the driver receive does not grow with the sequence length."""
 

@@ -1,6 +1,6 @@
 """Both ways to launch, against a real Ray head with its dashboard: `ray job submit` runs
 `python -m rl360 serve` (the rl360 Serve app shows up in the dashboard's Serve API while it
-runs, the job succeeds) and `rl360 train` as the README writes it (2 steps; the job SUCCEEDED,
+runs, the job succeeds) and `rl360 train` as the manual writes it (2 steps; the job SUCCEEDED,
 the Serve app and the named actors are listed by the dashboard's REST API), then
 `rl360 submit --follow` runs and streams a short job.
 
@@ -171,7 +171,7 @@ TRAIN_JOB_SETS = [  # 2 steps of 2 groups x 2 episodes on the tiny model, no war
 
 
 def test_ray_job_submit_rl360_train(ray_head: dict[str, str], tmp_path: Path) -> None:
-    """The README's `ray job submit --working-dir . -- rl360 train recipes/cpu-demo.toml`, as
+    """The manual's `ray job submit --working-dir . -- rl360 train recipes/cpu-demo.toml`, as
     written (the console script, RAY_ADDRESS join), with short-run --set's appended."""
     url = ray_head["dashboard"]
     job_id = f"rl360-train-test-{os.getpid()}"

@@ -67,10 +67,10 @@ def test_shipped_recipe_passes_plan_and_preflight_support(
         assert recipe.model.family != "auto"
 
 
-def test_gpu_recipes_fail_as_they_used_to_on_megatron(
+def test_megatron_refuses_pipeline_and_expert_parallel_layouts(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layouts the GPU recipes shipped with before: Megatron with PP 2, Megatron with EP 8
-    on a MoE. `rl360 plan` refuses them in one line each, naming key and support."""
+    """Layouts the Megatron trainer cannot run: the GPU recipes with PP 2, and with EP 8 on a
+    MoE. `rl360 plan` refuses them in one line each, naming key and support."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     dense = REPO / "recipes" / "gpu-dense-8b.toml"
     rc = _plan(_plan_args(dense, "trainer.backend='megatron'", "trainer.tensor_parallel=2",

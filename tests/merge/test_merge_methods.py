@@ -1,5 +1,6 @@
-"""The pure kernels against every worked example of merge-methods.md (to 1e-6), and the
-properties the issue asks for."""
+"""The pure kernels against every worked example of docs/merge-methods.md (to 1e-6), and the
+properties each method must have (identical experts, lambda 0, disjoint supports, a flat ISO
+spectrum, reproducible DARE masks)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def test_end_of_turn_and_alternate_eos(renderer) -> None:  # type: ignore[no-unt
 
 def test_tools_render_the_same_after_crossing_a_process(renderer) -> None:  # type: ignore[no-untyped-def]
     """msgspec's omit_defaults drops `type` only when it is the default string object: a spec
-    pickled by Ray used to render with `"type": "function"` and a local one without it."""
+    pickled by Ray must render as the local one does (not with an extra `"type": "function"`)."""
     import pickle
 
     from rl360.envs.tools import BUILTIN_TOOLS

@@ -1,4 +1,4 @@
-"""Decoupled PPO (issue #13): the ratio is current/proximal and is clipped, the importance weight
+"""Decoupled PPO (docs/off-policy.md): the ratio is current/proximal and is clipped, the importance weight
 proximal/behaviour is truncated; several optimizer steps per batch; the staleness guardrail."""
 
 from __future__ import annotations

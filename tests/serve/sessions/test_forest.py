@@ -1,4 +1,4 @@
-"""The session ledger as a forest (issue #19; docs/TITO.md section 3): truncated replies
+"""The session ledger as a forest (docs/TITO.md section 3): truncated replies
 continued, n > 1 and concurrent siblings, new roots, branches, caps and pickers. Service-level
 (no Ray, scripted engine); every case ends with the full TITO invariant check."""
 

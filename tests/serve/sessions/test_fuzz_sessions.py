@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the session server (issue #15 item 6), in-process (Gateway +
+"""Property-based fuzzing of the session server, in-process (Gateway +
 build_app over local shards, httpx's ASGI transport): the OpenAI request schema with hostile
 values and wrong types, the session routes with wrong tokens and unknown ids, raw and huge and
 nested bodies, and clients that disconnect mid-request or mid-stream. Properties: no 5xx,

@@ -1,4 +1,4 @@
-"""The session server never answers 5xx to bad input (issue #15 item 6): each guard on its
+"""The session server never answers 5xx to bad input: each guard on its
 own, in-process (tests/serve/sessions/inproc.py). Fuzzing is in test_fuzz_sessions.py."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Compatibility with the real `openai` client against a running session server (Serve,
 scripted engine): the moves real agents make, each answered 200 with a ledger that passes
-every TITO invariant (tests/serve/sessions/tito.py), re-render divergences counted (#19)."""
+every TITO invariant (tests/serve/sessions/tito.py), re-render divergences counted."""
 
 from __future__ import annotations
 
