@@ -15,6 +15,7 @@ from typing import Any
 
 from rl360.merge import io
 from rl360.merge import recipe as R
+from rl360.merge.adapters import open_expert
 from rl360.merge.errors import MergeError
 from rl360.merge.report import Stats, Summary
 from rl360.merge.shards import Job, collect_shard, merge_shard, plan
@@ -151,7 +152,7 @@ def merge_checkpoints(
     labels = [e.label for e in experts]
     method = build_method(method_cfg, [e.weight for e in experts], run.chunk_elements)
     base_ck = io.Checkpoint(base, "base", run.reader)
-    expert_cks = [io.Checkpoint(e.path, f"expert '{e.label}'", run.reader) for e in experts]
+    expert_cks = [open_expert(e.path, e.label, run.reader, base_ck.path) for e in experts]
     shards, read = plan(
         base_ck, expert_cks, labels, method, output.dtype, R.parse_size(output.max_shard_size)
     )

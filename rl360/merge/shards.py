@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl360.merge import io, sparse
+from rl360.merge.adapters import open_expert
 from rl360.merge.errors import MergeError
 from rl360.merge.report import Stats
 from rl360.merge.strategies import Group, Method, Parts, add_partials
@@ -40,10 +41,11 @@ class Job:
     shards: list[list[Entry]]
     bytes_per_pass: int
 
-    def open(self) -> tuple[io.Checkpoint, list[io.Checkpoint]]:
+    def open(self) -> tuple[io.Checkpoint, list[Any]]:
+        """The base and the experts (checkpoints, or adapters over the base)."""
         base = io.Checkpoint(self.base, "base", self.reader)
         experts = [
-            io.Checkpoint(p, f"expert '{n}'", self.reader)
+            open_expert(p, n, self.reader, self.base)
             for p, n in zip(self.experts, self.labels, strict=True)
         ]
         return base, experts
@@ -120,6 +122,9 @@ def load_group(
     gates: list[torch.Tensor] | None = [] if method.uses_gates else None
     taus = []
     for i, ck in enumerate(experts):
+        if gates is None and hasattr(ck, "delta"):  # an adapter: its own low-rank delta
+            taus.append(ck.delta(entry.name, pool.tensor(f"tau{i}", entry.shape, torch.float32)))
+            continue
         raw, tau = _read32(ck, entry, pool, f"tau{i}", "raw-expert")
         if gates is not None:
             gates.append(
