@@ -86,8 +86,8 @@ def test_train_checkpoint_kill_and_resume(tmp_path: Path) -> None:
     assert (tmp_path / "e2e" / "reward_curve.png").stat().st_size > 1000
 
     # a time budget that runs out while the run waits for a batch ends it there, exit 0, with
-    # nothing lost: the newest checkpoint is still the resumed one (#16: the budget is checked
-    # while waiting, so a run whose rollouts hang still ends)
+    # nothing lost: the newest checkpoint is still the resumed one (the budget is checked while
+    # waiting, so a run whose rollouts hang still ends)
     budget = [*train_cmd(tmp_path, 50, "--resume"), "--set", "train.max_minutes=0.001"]
     out = subprocess.run(budget, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -97,7 +97,7 @@ def test_train_checkpoint_kill_and_resume(tmp_path: Path) -> None:
 
 
 def test_train_logs_domains_components_trajectories_and_eval(tmp_path: Path) -> None:
-    """#18 reward logging: a 3-step run (no warm start) writes per-domain, per-component and
+    """Reward logging: a 3-step run (no warm start) writes per-domain, per-component and
     group metrics every step, N trajectories per step, and eval/* from the held-out set."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "WANDB_MODE": "offline"}
@@ -142,7 +142,7 @@ def test_train_logs_domains_components_trajectories_and_eval(tmp_path: Path) -> 
 
 
 def test_async_path_matches_the_sampler_when_the_policy_does_not_move(tmp_path: Path) -> None:
-    """#13 item 1, the controlled experiment as a regression test: with staleness allowed
+    """The controlled experiment of the off-policy path: with staleness allowed
     (max_staleness = 2, in-flight weight swaps) but a learning rate too small to change a
     float32 weight, every version is the same policy, so the asynchronous path must train on
     exactly what the sampler saw: stale tokens present, and still no sampler-trainer mismatch,

@@ -1,4 +1,4 @@
-"""Fault drills (#16): a short `rl360 train` on the tiny model (its own process, its own local
+"""Fault drills (docs/faults.md): a short `rl360 train` on the tiny model (its own process, its own local
 Ray) loses one part right after step 1 (`train.inject_faults`): an env actor, an engine
 replica, a session shard, the weight publisher. The run must finish its steps, and its ledger
 (<run dir>/ledger.jsonl, rl360.actors.run_ledger) must show no task occurrence lost and none
