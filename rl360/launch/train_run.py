@@ -281,7 +281,7 @@ class TrainRun:
     def loop(self, stack: Stack, actors: TrainActors, transport: WeightTransport) -> None:
         tr = self.recipe.train
         last_engine: dict[str, dict[str, Any]] = {}
-        # this process's start-up marks (README "Where a step goes"), on its first step's row
+        # this process's start-up marks (docs/step-metrics.md: startup/*), on its first step's row
         startup = stack.clock.as_metrics() if stack.clock is not None else {}
         latest = TaskRewards()
         for step in range(self.step0 + 1, tr.steps + 1):

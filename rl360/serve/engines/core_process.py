@@ -2,7 +2,7 @@
 
 A Serve replica's process runs Serve's request handling (gRPC, request wrapping, metrics) on
 its asyncio loop; with the torch engine in the same process its decode steps share one GIL with
-that loop (README, the session-path paragraphs: a decode step 12-25% slower in a replica than in
+that loop (docs/sessions.md: a decode step 12-25% slower in a replica than in
 process). `CoreProcessBackend` keeps the replica's side
 to forwarding: it starts `python -m rl360.serve.engines.core_process` (the engine core: a
 `TorchBackend` on its own loop and thread) and talks to it over a Unix socket pair in
@@ -13,7 +13,7 @@ What crosses the socket: requests (prompt ids + sampling) and their generations,
 versions. A version's tensors do not go through the socket: the replica writes them into one
 shared-memory buffer (a memfd it keeps and reuses) and sends their layout; the core maps the
 buffer read-only through /proc/<replica pid>/fd/<fd> and copies them into its parameters. That
-is one copy more than a torch engine serving a weight slot in place (README "Weight sync"):
+is one copy more than a torch engine serving a weight slot in place (docs/weight-sync.md):
 the core loads every version by copy, as `zero_copy = false` does.
 
 Once the replica serves the published weights it opens a channel to the core (a Unix socket in

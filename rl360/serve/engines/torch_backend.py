@@ -225,7 +225,7 @@ class TorchBackend:
             "torch_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
             "step_median_s": statistics.median(list(self.step_times)) if self.step_times else 0.0,
-            # the control for sync_pause_over_budget_max_s (README "Weight sync"): the largest
+            # the control for sync_pause_over_budget_max_s (docs/weight-sync.md): the largest
             # and the 95th percentile of step_changes
             "step_change_max_s": max(self.step_changes, default=0.0),
             "step_change_p95_s": _quantile(self.step_changes, 0.95),
