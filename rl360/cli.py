@@ -190,10 +190,13 @@ def recipe_command(args: argparse.Namespace) -> int:
         r = load_recipe(args.recipe, args.overrides)
         print(json.dumps(msgspec.to_builtins(r), indent=2))
         return 0
+    from rl360.launch.adapters import check_lora_targets
     from rl360.launch.stack import check_recipe_parts
 
     for path in args.recipes:
-        check_recipe_parts(load_recipe(path))  # env.params and [search] too
+        recipe = load_recipe(path)
+        check_recipe_parts(recipe)  # env.params and [search] too
+        check_lora_targets(recipe)  # trainer.lora.targets against the model, when it is here
         print(f"ok  {path}")
     return 0
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from rl360.launch.adapters import check_lora_targets, memory_lines
 from rl360.launch.estimate import estimate, render_estimate
 from rl360.launch.placement import (
     ROLE_CAPACITY,
@@ -33,7 +34,7 @@ from rl360.launch.placement import (
 )
 from rl360.launch.support import support_problems
 from rl360.launch.throughput import EstimateError, figures_for
-from rl360.recipe import ClusterRole, Recipe
+from rl360.recipe import ClusterRole, Recipe, RecipeError
 
 # ---------------------------------------------------------------------------- node lists
 
@@ -304,6 +305,7 @@ def plan_summary(plan: Plan, recipe: Recipe) -> list[str]:
 
 def render(plan: Plan, recipe: Recipe, path: str) -> str:
     out = describe_recipe(recipe, path)
+    out.extend(memory_lines(recipe))
     out.append(f"planned on {plan.source}")
     out.append("")
     out.extend(plan_table(plan))
@@ -314,6 +316,10 @@ def render(plan: Plan, recipe: Recipe, path: str) -> str:
 
 def plan_command(recipe: Recipe, args: argparse.Namespace) -> int:
     problems = support_problems(recipe)
+    try:
+        check_lora_targets(recipe)
+    except RecipeError as exc:
+        problems.append(str(exc))
     for p in problems:
         print(f"rl360 plan: {p}", file=sys.stderr)
     if problems:
