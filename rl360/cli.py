@@ -45,6 +45,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="write per-task pass rates and a task list inside a pass-rate band")
     p.add_argument("--model", default=None, help="evaluate this model instead of model.path")
+    p.add_argument("--against", default=None, metavar="EVAL_JSONL",
+                   help="compare pass@1 with an earlier eval of the same tasks (its eval.jsonl): "
+                        "per family, each side's 95%% CI and the paired bootstrap difference")
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:

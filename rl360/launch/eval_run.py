@@ -18,6 +18,14 @@ import msgspec
 from rl360.envs.api import TaskRefused, choose_backend
 from rl360.envs.registry import build_env_for
 from rl360.envs.tasks import iter_tasks
+from rl360.launch.eval_stats import (
+    compare,
+    family_report,
+    format_comparison,
+    format_family_report,
+    load_trajectories,
+    passed,
+)
 from rl360.launch.stack import running_stack
 from rl360.ray_session import STOP
 from rl360.recipe import Recipe
@@ -47,12 +55,6 @@ def refuse_unrunnable(recipe: Recipe, tasks: list[Task]) -> tuple[list[Task], li
         except TaskRefused as exc:
             refused.append(str(exc))
     return ok, refused
-
-
-def passed(t: Trajectory) -> bool:
-    if t.reward is None:
-        return False
-    return bool(t.reward.components.get("all_pass", float(t.reward.value >= 1.0 - 1e-9)))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -130,13 +132,13 @@ def collect(refs: list[Any], desc: str) -> list[Trajectory]:
 
 
 def eval_command(recipe: Recipe, args: argparse.Namespace) -> int:
-    """`rl360 eval recipe.toml [--model DIR] [--calibrate]`."""
+    """`rl360 eval recipe.toml [--model DIR] [--calibrate] [--against EVAL_JSONL]`."""
     if args.model:
         recipe.model.path = args.model
-    return run_eval(recipe, calibrate=args.calibrate)
+    return run_eval(recipe, calibrate=args.calibrate, against=getattr(args, "against", None))
 
 
-def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
+def run_eval(recipe: Recipe, calibrate: bool = False, against: str | None = None) -> int:
 
     tasks, refused = refuse_unrunnable(recipe, load_tasks(recipe))
     for why in refused:
@@ -167,6 +169,14 @@ def run_eval(recipe: Recipe, calibrate: bool = False) -> int:
     for rep, h in sorted(engines.items()):
         print(f"engine {rep}: {h.get('batches', 0)} batches, {h.get('requests', 0)} requests, "
               f"busy {h.get('busy_s', 0.0):.1f}s of {h.get('uptime_s', 0.0):.1f}s")
+    families = family_report(trajs, seed=recipe.run.seed)
+    print(format_family_report(families))
+    summary["families"] = families
+    if against:
+        cmp = compare(load_trajectories(against), trajs, seed=recipe.run.seed)
+        print(f"against {against}:")
+        print(format_comparison(cmp))
+        summary["comparison"] = {"before": against, "families": cmp}
     (run_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2))
     if calibrate:
         write_calibration(summary, tasks, recipe, run_dir)
