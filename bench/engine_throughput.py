@@ -125,6 +125,7 @@ async def sync_pause(args: argparse.Namespace, model: Any, tok: Any, lengths: li
     from rl360.recipe import EngineSection, ModelSection
     from rl360.serve.engines.torch_backend import TorchBackend
     from rl360.types import SamplingParams
+    from rl360.weights.payloads import TensorUpdate
 
     prompts = make_prompts(tok, len(lengths), seed=7)
     be = TorchBackend(EngineSection(max_batch_size=args.batch, batch_wait_ms=0, threads=args.threads),
@@ -136,7 +137,7 @@ async def sync_pause(args: argparse.Namespace, model: Any, tok: Any, lengths: li
         target = be.health()["steps"] + max(lengths) // 4
         while be.health()["steps"] < target:  # noqa: ASYNC110 (polls the engine's step counter)
             await asyncio.sleep(0.002)
-        assert await be.update_weights(v, state)
+        assert await be.update_weights(v, TensorUpdate(state))
     gens = await asyncio.gather(*tasks)
     log = list(be.sync_log)
     for e in log:

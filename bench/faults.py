@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from rl360.actors.run_ledger import account, read_ledger  # noqa: E402
-from rl360.weights.transports import free_port  # noqa: E402
+from rl360.ray_session import free_port  # noqa: E402
 
 PARTS = ("env_actor", "engine", "shard", "publisher")
 GROUP_SIZE = 4

@@ -42,15 +42,15 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 class StateSender:
     """Stands in for the trainer's rank 0 (rl360.actors.trainer_group.TrainerWorker): holds a
-    state dict and sends it through the same code (packer, gloo group)."""
+    state dict and sends it through the same code (rl360.weights.sender.WeightSender)."""
 
     def __init__(self, model_dir: str) -> None:
         import torch
         from safetensors.torch import load_file
 
         self.state = load_file(f"{model_dir}/model.safetensors")
-        self.group: Any = None
-        self.packers: dict[str, Any] = {}
+        self.group: Any = None  # the WeightSender of the gloo transport
+        self.senders: dict[str, Any] = {}  # the object store's, per packer's settings
         self.gen = torch.Generator().manual_seed(0)
 
     def nbytes(self) -> int:
@@ -74,31 +74,23 @@ class StateSender:
             total += v.numel()
         return hit / total
 
-    def pack_weights(self, version: int, packer: dict[str, Any],
-                     publisher: Any = None) -> dict[str, Any]:
-        from rl360.weights.packing import make_sender, put_packet
+    def weights(self, call: Any) -> Any:
+        """Run a transport's weight sender call (rl360.weights.sender) on a WeightSender over
+        this state dict: one per packer's settings (each transport here has its own), and the
+        time a gloo send takes."""
+        from rl360.weights.sender import Pack, Send, WeightSender
 
-        key = json.dumps(packer, sort_keys=True)
-        if key not in self.packers:
-            self.packers[key] = make_sender(packer)
-        weights, slots = self.packers[key]
-        return put_packet(weights.pack(version, self.state), publisher, slots)
-
-    def weight_spec(self):  # type: ignore[no-untyped-def]
-        from rl360.weights.transports import tensor_spec
-
-        return tensor_spec(self.state)
-
-    def open_group(self, host: str, port: int, world: int) -> None:
-        from rl360.weights.transports import GlooGroup
-
-        self.group = GlooGroup(host, port, 0, world)
-
-    def send_weights(self) -> int:
+        if isinstance(call, Pack):
+            key = json.dumps(call.packer, sort_keys=True)
+            return self.senders.setdefault(key, WeightSender(lambda: self.state)).handle(call)
+        if self.group is None:
+            self.group = WeightSender(lambda: self.state)
         t0, c0 = time.perf_counter(), time.process_time()
-        self.group.send(self.state)
-        self.sent = {"send_s": time.perf_counter() - t0, "send_cpu_s": time.process_time() - c0}
-        return self.nbytes()
+        out = self.group.handle(call)
+        if isinstance(call, Send):
+            self.sent = {"send_s": time.perf_counter() - t0,
+                         "send_cpu_s": time.process_time() - c0}
+        return out
 
     def last_send(self) -> dict[str, float]:
         return dict(getattr(self, "sent", {}))

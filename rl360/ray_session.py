@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,6 +37,13 @@ class StopFlag:
 
 
 STOP = StopFlag()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a rendezvous or a server the session starts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

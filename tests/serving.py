@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from rl360.ray_session import free_port
 from rl360.recipe import apply_overrides, decode_recipe
-from rl360.weights.transports import free_port
 
 # one Serve HTTP port for the whole test session (Serve keeps the first proxy's port), free
 # at start-up so a developer's running `rl360 serve` on 8000 does not collide with the tests

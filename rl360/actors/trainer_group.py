@@ -29,11 +29,10 @@ from rl360.actors.buffer import RefBatch, to_samples
 from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
 from rl360.policies.trainer_torch import TorchTrainer
+from rl360.ray_session import free_port
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
-from rl360.weights.nccl import WeightSender, gpu_uuid
-from rl360.weights.packing import make_sender, put_packet
-from rl360.weights.transports import GlooGroup, free_port, tensor_spec
+from rl360.weights.sender import SenderCall, WeightSender
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -76,6 +75,7 @@ class TrainerWorker:
         self.world_size = world_size
         self.threads = threads
         self.trainer: Any = None
+        self.weight_sender: WeightSender | None = None  # made at the first weight sync call
 
     def address(self) -> tuple[str, int]:
         host = ray.util.get_node_ip_address()
@@ -145,61 +145,12 @@ class TrainerWorker:
             return {k: v.detach() for k, v in t.model.state_dict().items()}
         return t.state_dict_for_sync()
 
-    def pack_weights(self, version: int, packer: dict[str, Any],
-                     publisher: Any = None) -> dict[str, Any]:
-        """Put `version` into the object store as one packed object, full or a delta against
-        the version before (rl360.weights.packing), and publish it to `publisher` when
-        given; returns its metadata. `packer`: WeightPacker's settings and "slots" (the first
-        call's are kept; full versions served in place go through weight slots)."""
-        if getattr(self, "_packer", None) is None:
-            self._packer, self._slots = make_sender(packer)
-        state = self._sync_state()
-        meta = put_packet(self._packer.pack(version, state), publisher, self._slots)
-        if publisher is not None and not meta["published"] and meta.get("kind") == "delta":
-            # the publisher lost the chain the delta extends (it restarted): send it full
-            meta = put_packet(self._packer.repack_full(version, state), publisher)
-        return meta
-
-    # collective weight sync (rank 0 is the sender; see rl360.weights.transports)
-    def weight_spec(self) -> list[tuple[str, list[int], str]]:
-
-        return tensor_spec(self.trainer.state_dict_for_sync())
-
-    def open_group(self, host: str, port: int, world: int, backend: str = "gloo",
-                   group_name: str = "") -> None:
-        if not group_name:  # the CPU path: one gloo group, flat per-dtype buffers
-
-            self._weight_group = GlooGroup(host, port, 0, world)
-            return
-        self._sender().open(host, port, world, backend, group_name)
-
-    def send_weights(self, buckets: list[Any] | None = None, layout: str = "flat") -> int:
-        """Broadcast the weights to the group's engines; returns the bytes sent."""
-        if buckets is None:
-            state = self._sync_state()
-            self._weight_group.send(state)
-            return sum(v.numel() * v.element_size() for v in state.values())
-        return self._sender().send(buckets, layout)
-
-    # GPU weight sync (rl360.weights.nccl) and its checksum debug option
-    def _sender(self) -> Any:
-        if getattr(self, "_weight_sender", None) is None:
-
-            self._weight_sender = WeightSender(lambda: self.trainer.state_dict_for_sync())
-        return self._weight_sender
-
-    def gpu_uuid(self) -> str:
-
-        return gpu_uuid()
-
-    def weight_ipc(self, ranks: int) -> list[bytes]:
-        return self._sender().ipc_payload(ranks)
-
-    def release_weight_ipc(self) -> None:
-        self._sender().release_ipc()
-
-    def weight_checksums(self, limits: dict[str, int | None], dtype: str | None) -> dict[str, int]:
-        return self._sender().checksums(limits, dtype)
+    def weights(self, call: SenderCall) -> Any:
+        """Weight sync: run a transport's call on this rank's WeightSender
+        (rl360.weights.sender; rank 0 is the sender)."""
+        if self.weight_sender is None:
+            self.weight_sender = WeightSender(self._sync_state, self.state_dict_for_sync)
+        return self.weight_sender.handle(call)
 
     def save(self, out_dir: str) -> str:
         return str(self.trainer.save(out_dir))

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 
+from rl360.ray_session import free_port
 from rl360.recipe import RecipeError, ServeSection
-from rl360.weights.transports import free_port
 
 HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
 _PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")

@@ -41,9 +41,9 @@ from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
-from rl360.recipe import ObjectStoreSync, Recipe
+from rl360.recipe import Recipe
 from rl360.types import Task
-from rl360.weights.slots import writer_env, writes_slots
+from rl360.weights.sender import sender_env
 from rl360.weights.transports import WeightTransport, build_transport
 
 CKPT_META = "rl360_checkpoint.json"
@@ -84,13 +84,9 @@ def start_learners(recipe: Recipe, placement: Placement, model_path: Any) -> tup
 
 
 def trainer_rank_options(recipe: Recipe, placement: Placement) -> Callable[[int], dict[str, Any]]:
-    """Each trainer rank's Ray options: the placement's, and for rank 0, when it writes the
-    weight slots, the environment that makes its large copies streaming
-    (rl360.weights.slots.writer_env)."""
-    sync = recipe.train.weight_sync
-    writes = isinstance(sync, ObjectStoreSync) and writes_slots(sync.slots, sync.zero_copy,
-                                                                sync.delta)
-    env = writer_env() if writes else {}
+    """Each trainer rank's Ray options: the placement's, and for rank 0, the weight sender,
+    the environment its sending wants (rl360.weights.sender.sender_env)."""
+    env = sender_env(recipe.train.weight_sync)
 
     def options(rank: int) -> dict[str, Any]:
         out = dict(placement.trainer_options(rank))

@@ -20,7 +20,7 @@ CUDA_VISIBLE_DEVICES numbering does not fool it):
   --ipc=host; not under MIG or a driver that forbids IPC);
 - both see that GPU under the same CUDA device index (a handle is opened on the index it was
   made on; Ray's colocated placement gives both actors the same CUDA_VISIBLE_DEVICES);
-- the sender keeps the shared tensors alive until every engine has applied them (WeightSender
+- the sender keeps the shared tensors alive until every engine has applied them (GroupSender
   holds them until the next send or `release_ipc()`); the shared copy is the whole state on
   that GPU, so colocation needs room for one extra copy of the weights.
 
@@ -143,7 +143,7 @@ def receive_bucket(pg: Any, bucket: Spec, layout: str, backend: str) -> dict[str
     return out
 
 
-class WeightSender:
+class GroupSender:
     """Trainer rank 0's end of a weight sync (any object with a state dict can use it).
 
     `state_fn` returns the name -> tensor dict to send (trainer names); `names` maps them to
@@ -223,7 +223,7 @@ def load_ipc(payload: bytes) -> dict[str, torch.Tensor]:
     return dict(pickle.loads(payload))
 
 
-class WeightReceiver:
+class GroupReceiver:
     """An engine replica's end for engines without a weight group of their own (the torch
     backend on a GPU)."""
 

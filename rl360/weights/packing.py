@@ -8,7 +8,8 @@ differ (int32/int64) and the new raw values there. bf16 RL steps leave ~99% of e
 bit-identical, so a delta is a few percent of a full version. Each packet carries an xxh3
 checksum per bucket (consecutive tensors of <= bucket_mb) of the state it leads to.
 
-Replica (`PackedUpdate.apply_to(model)`): a full version of a sender that sends no deltas
+Replica (`apply_packed(update, model)`, the update a FullUpdate, SlotUpdate or DeltaUpdate of
+rl360.weights.payloads): a full version of a sender that sends no deltas
 (`FullPacket.shareable`, the default `zero_copy`) is served straight out of the object store:
 each parameter becomes a read-only view of the version's object (`borrow_full`, a pointer swap:
 no copy, and all replicas of a node share one copy of the weights); the object stays pinned
@@ -40,50 +41,23 @@ import numpy as np
 import torch
 import xxhash
 
+from rl360.weights.payloads import (
+    DeltaPacket,
+    DeltaUpdate,
+    Entry,
+    FullPacket,
+    FullUpdate,
+    Layout,
+    PackedUpdate,
+    SlotUpdate,
+    dtype_bytes,
+)
 from rl360.weights.slots import SlotReader, SlotWriter, writes_slots
 
 log = logging.getLogger("rl360.weights")
 
 _RAW_TORCH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _RAW_NUMPY = {n: torch.empty(0, dtype=t).numpy().dtype for n, t in _RAW_TORCH.items()}
-
-
-class Entry(msgspec.Struct, array_like=True):
-    name: str
-    shape: list[int]
-    dtype: str  # torch dtype as str(), e.g. "torch.bfloat16"
-    numel: int
-
-
-class Layout(msgspec.Struct):
-    """The tensors of a version in send order, and which of them each bucket holds."""
-
-    entries: list[Entry]
-    buckets: list[list[int]]  # entry indices per bucket
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.numel * _itemsize(e.dtype) for e in self.entries)
-
-
-@dataclass
-class FullPacket:
-    version: int
-    arrays: list[np.ndarray]  # raw bits of each entry, in layout order
-    checksums: list[int]  # per bucket ([] when the sender sends no deltas)
-    # replicas may serve these arrays as their parameters (no delta will be applied to them)
-    shareable: bool = False
-    mapped: bool = False  # replica side: its pages are mapped in this process already
-
-
-@dataclass
-class DeltaPacket:
-    version: int
-    base: int  # the version this delta applies to
-    entries: list[int]  # changed entries (layout indices)
-    positions: list[np.ndarray]  # element positions whose bits changed, per changed entry
-    values: list[np.ndarray]  # their new raw bits
-    checksums: list[int]  # per bucket, of the state after this delta
 
 
 @dataclass
@@ -104,10 +78,6 @@ class Packet:
         else:
             out["layout"] = msgspec.to_builtins(self.layout)
         return out
-
-
-def _itemsize(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
 
 
 def raw(t: torch.Tensor) -> np.ndarray:
@@ -431,73 +401,49 @@ def _check(params: dict[str, torch.Tensor], layout: Layout, expected: list[int])
     return [b for b, (x, y) in enumerate(zip(got, expected, strict=True)) if x != y]
 
 
-@dataclass
-class PackedUpdate:
-    """A version for one replica: the full base (or None when the replica's own weights are the
-    base) and the deltas to apply after it. `fetch_full()` returns the chain's full base
-    (blocking; used when the checksums say the replica's weights are not what the sender
-    diffed against)."""
+def apply_packed(update: PackedUpdate, model: Any) -> None:
+    """Load `update` into `model`'s parameters in place (call between batches, under the
+    engine's lock); raises rather than leave a mismatched version behind when it cannot
+    recover. Fills in the update's apply_s, apply_cpu_s, borrowed and fell_back."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    params = _params(model, update.layout)
+    with torch.no_grad():
+        if update.full is not None and update.full.shareable and not update.deltas:
+            update.borrowed, bad = borrow_full(model, update.layout, update.full), []
+        else:
+            if own_weights(model):  # about to write into the weights: not into a version
+                params = _params(model, update.layout)
+            bad = _apply(params, update.layout, update.full, update.deltas)
+        if bad and update.full is None and update.fetch_full is not None:
+            log.warning("weight version %d: checksum mismatch in buckets %s after deltas; "
+                        "loading the full version", update.version, bad[:5])
+            full, deltas = update.fetch_full()
+            update.fell_back = True
+            bad = _apply(params, update.layout, full, deltas)
+    update.apply_s, update.apply_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+    if bad:
+        raise ChecksumMismatch(f"weight version {update.version}: buckets {bad[:5]} differ "
+                               "from the sender's checksums")
 
-    version: int
-    layout: Layout
-    full: FullPacket | None
-    deltas: list[DeltaPacket]
-    fetch_full: Any = None  # () -> (FullPacket, [DeltaPacket]) of the whole chain
-    fell_back: bool = False
-    slot: str = ""  # the weight slot the full version came in ("": an object-store object)
-    apply_s: float = 0.0  # wall and CPU (this thread) seconds of the last apply_to
-    apply_cpu_s: float = 0.0
-    borrowed: int = 0  # parameters that now view the version (zero copy), 0: copied
 
-    def detail(self) -> dict[str, Any]:
-        """What this replica fetched for the version (reported to the publisher)."""
-        moved = (self.layout.nbytes if self.full is not None else 0) + sum(
-            p.nbytes + v.nbytes for d in self.deltas for p, v in zip(d.positions, d.values,
-                                                                     strict=True))
-        return {"full": self.full is not None, "deltas": len(self.deltas), "bytes": moved,
-                "fell_back": self.fell_back, "apply_s": self.apply_s,
-                "apply_cpu_s": self.apply_cpu_s, "borrowed": self.borrowed}
+def _apply(params: dict[str, torch.Tensor], layout: Layout, full: FullPacket | None,
+           deltas: list[DeltaPacket]) -> list[int]:
+    if full is not None:
+        _load_full(params, layout, full)
+    for d in deltas:
+        _load_delta(params, layout, d)
+    if not deltas:  # a full version alone: every element was just copied from it
+        return []
+    return _check(params, layout, deltas[-1].checksums)
 
-    def apply_to(self, model: Any) -> None:
-        """Load into `model`'s parameters in place (call between batches, under the engine's
-        lock); raises rather than leave a mismatched version behind when it cannot recover."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        params = _params(model, self.layout)
-        with torch.no_grad():
-            if self.full is not None and self.full.shareable and not self.deltas:
-                self.borrowed, bad = borrow_full(model, self.layout, self.full), []
-            else:
-                if own_weights(model):  # about to write into the weights: not into a version
-                    params = _params(model, self.layout)
-                bad = self._apply(params, self.full, self.deltas)
-            if bad and self.full is None and self.fetch_full is not None:
-                log.warning("weight version %d: checksum mismatch in buckets %s after deltas; "
-                            "loading the full version", self.version, bad[:5])
-                full, deltas = self.fetch_full()
-                self.fell_back = True
-                bad = self._apply(params, full, deltas)
-        self.apply_s, self.apply_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
-        if bad:
-            raise ChecksumMismatch(f"weight version {self.version}: buckets {bad[:5]} differ "
-                                   "from the sender's checksums")
 
-    def _apply(self, params: dict[str, torch.Tensor], full: FullPacket | None,
-               deltas: list[DeltaPacket]) -> list[int]:
-        if full is not None:
-            _load_full(params, self.layout, full)
-        for d in deltas:
-            _load_delta(params, self.layout, d)
-        if not deltas:  # a full version alone: every element was just copied from it
-            return []
-        return _check(params, self.layout, deltas[-1].checksums)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Zero-copy name -> tensor views of a full version (backends that load a state dict)."""
-        if self.full is None or self.deltas:
-            raise ValueError("this engine backend loads whole state dicts: a delta weight "
-                             "version needs the torch backend (set delta = false)")
-        return {e.name: from_raw(a, e) for e, a in zip(self.layout.entries, self.full.arrays,
-                                                      strict=True)}
+def packed_tensors(update: PackedUpdate) -> dict[str, torch.Tensor]:
+    """Zero-copy name -> tensor views of a full version (engines that load a state dict)."""
+    if update.full is None or update.deltas:
+        raise ValueError("this engine backend loads whole state dicts: a delta weight "
+                         "version needs the torch backend (set delta = false)")
+    return {e.name: from_raw(a, e) for e, a in zip(update.layout.entries, update.full.arrays,
+                                                  strict=True)}
 
 
 def plan_fetch(chain: dict[str, Any], have: int, inplace: bool) -> tuple[bool, list[Any]]:
@@ -507,12 +453,6 @@ def plan_fetch(chain: dict[str, Any], have: int, inplace: bool) -> tuple[bool, l
     if inplace and have in (chain["base"], *(v for v, _ in deltas)):
         return False, [ref for v, ref in deltas if v > have]
     return True, [ref for _, ref in deltas]
-
-
-def can_load_in_place(backend: Any) -> bool:
-    """Whether `backend.update_weights` takes a PackedUpdate (an in-process torch model whose
-    parameters it loads in place); other backends get a name -> tensor dict."""
-    return isinstance(getattr(backend, "model", None), torch.nn.Module)
 
 
 async def fetch_update(chain: dict[str, Any], have: int, inplace: bool,
@@ -525,13 +465,14 @@ async def fetch_update(chain: dict[str, Any], have: int, inplace: bool,
         reader = slots if slots is not None else SlotReader()
         # the raw bits of each entry, as `raw` gave them to the sender
         arrays, mapped = reader.arrays(
-            chain["full"], [_RAW_NUMPY[_itemsize(e.dtype)] for e in layout.entries],
+            chain["full"], [_RAW_NUMPY[dtype_bytes(e.dtype)] for e in layout.entries],
             [e.numel for e in layout.entries])
         stamp = reader.stamp(chain["full"])
         if stamp != int(chain["base"]):  # rewritten since: a bug
             raise OSError(f"weight version {chain['base']}: its slot holds version {stamp}")
         full = FullPacket(int(chain["base"]), arrays, [], shareable=True, mapped=mapped)
-        return PackedUpdate(int(chain["version"]), layout, full, [], slot=chain["full"]["slot"])
+        return SlotUpdate(version=int(chain["version"]), layout=layout, full=full,
+                          slot=chain["full"]["slot"])
     need_full, delta_refs = plan_fetch(chain, have, inplace)
     refs = ([chain["full"]] if need_full else []) + delta_refs
     got = list(await asyncio.gather(*refs))
@@ -543,4 +484,6 @@ async def fetch_update(chain: dict[str, Any], have: int, inplace: bool,
         whole = ray.get([chain["full"], *(ref for _, ref in chain["deltas"])])
         return whole[0], whole[1:]
 
-    return PackedUpdate(int(chain["version"]), layout, full, got, fetch_full)
+    kind = DeltaUpdate if got or full is None else FullUpdate
+    return kind(version=int(chain["version"]), layout=layout, full=full, deltas=got,
+                fetch_full=fetch_full)

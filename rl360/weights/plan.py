@@ -4,7 +4,7 @@ intact. Pure functions of tensor metadata (and of tensors for checksums); the NC
 rl360.weights.nccl.
 
 A *spec* is the trainer's `[(name, shape, dtype_str), ...]` in send order
-(rl360.weights.transports.tensor_spec). Buckets keep that order, so sender and receivers agree on
+(rl360.weights.gloo.tensor_spec). Buckets keep that order, so sender and receivers agree on
 the byte stream without any extra handshake.
 """
 
@@ -15,6 +15,9 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
+
+from rl360.weights.payloads import TensorUpdate, WeightUpdate
+from rl360.weights.receiver import WeightChecksums
 
 if TYPE_CHECKING:
     import torch
@@ -181,6 +184,19 @@ def checksum_state(state: Mapping[str, torch.Tensor],
             v = v.detach().reshape(-1)[:lim]
         out[k] = tensor_checksum(v.to(cast) if cast is not None else v)
     return out
+
+
+def held_checksums(held: Mapping[str, torch.Tensor], names: Iterable[str]) -> WeightChecksums:
+    """What an engine holding `held` serves of `names` (every element, in the dtype held)."""
+    tensors = {n: held[n] for n in names if n in held}
+    dtype = str(next(iter(tensors.values())).dtype) if tensors else None
+    return WeightChecksums(dtype, {n: (None, v) for n, v in checksum_state(tensors).items()})
+
+
+def update_checksums(names: Iterable[str], update: WeightUpdate) -> WeightChecksums:
+    """The checksums of an engine that cannot read its weights back: those of the tensors it
+    was handed (a TensorUpdate; nothing for other kinds)."""
+    return held_checksums(update.tensors if isinstance(update, TensorUpdate) else {}, names)
 
 
 class Mismatch(msgspec.Struct):

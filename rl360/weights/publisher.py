@@ -1,16 +1,16 @@
-"""Versioned weights for engine replicas: a publisher actor and the replica-side subscriber.
+"""The WeightPublisher actor: the newest weight version, announced to every engine replica.
 
 Serve does not let a caller address every replica of a deployment, so replicas pull: the
-trainer side puts a state dict in the object store once and publishes (version, ref); every
-engine replica long-polls the publisher in a named background task and applies newer versions
-between batches. A replica that starts late fetches the newest version at once. Versions only
-move forward; an older or equal version is ignored by the backend, which logs it.
+trainer side puts a version in the object store (or a weight slot, or starts a collective
+broadcast) and publishes it here; every engine replica long-polls the publisher in a named
+background task (rl360.weights.follow.follow_weights) and applies newer versions between
+batches. A replica that starts late fetches the newest version at once. Versions only move
+forward; an older or equal version is ignored by the backend, which logs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import asyncio as aio
 import contextlib
 import logging
 import time
@@ -285,112 +285,3 @@ class WeightPublisher:
                 "engines": dict(self.engine_stats), "fetched": dict(self.details),
                 "slots": {"claimed": sorted(self.claimed()), "off": self.no_slots,
                           "hinted": {r: s for r, (_, s) in self.hinted.items()}}}
-
-
-async def follow_weights(publisher: Any, backend: Any, replica: str, poll_s: float = 2.0,
-                         caught_up: asyncio.Event | None = None) -> None:
-    """Replica side: apply every newer published version (runs as a named task), and report
-    the backend's health (busy time, tokens) every `poll_s` for the run's metrics.
-    `caught_up` is set once the replica serves the newest version the publisher had when it
-    first asked (a restarted replica must not serve base weights). With a hint (the weight
-    slot the next version goes to) the replica also sleeps on that slot and loads the version
-    as soon as the sender has written it, before the publisher's announcement arrives."""
-    # the replica's side needs torch; imported here so the publisher's own process (which
-    # only hands out refs) does not spend seconds of start-up importing it
-    from rl360.weights.collective_replica import engine_checksums, gpu_state, replica_info
-    from rl360.weights.packing import can_load_in_place, fetch_update
-    from rl360.weights.slots import SlotReader, SlotWatch
-    from rl360.weights.transports import GlooGroup
-
-    rank = await publisher.register.remote(replica, await aio.to_thread(replica_info, backend))
-    group: Any = None
-    have = backend.version
-    first = True
-    slots = SlotReader()
-    serving_slot = ""  # the weight slot this replica's parameters view ("" none)
-    poll: asyncio.Future[Any] | None = None
-    watch: SlotWatch | None = None  # sleeping on the hinted slot
-    try:
-        while True:
-            if poll is None:
-                await publisher.report_stats.remote(replica, backend.health(), have,
-                                                    serving_slot)
-                poll = asyncio.ensure_future(publisher.wait_newer.remote(
-                    have, 0.0 if first else poll_s, replica))
-                first = False
-            waits: list[asyncio.Future[Any]] = [poll]
-            if watch is not None and watch.after >= have:
-                waits.append(watch.task)
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if poll.done():
-                version, payload = poll.result()
-                poll = None
-                if watch is not None and (watch.after, watch.slot) != _hint_of(version, payload):
-                    watch.stop()
-                    watch = None
-                if watch is None and version >= have and _hint_of(version, payload)[1]:
-                    watch = SlotWatch.start(slots, version, payload["next"], payload["layout"],
-                                            name=f"rl360-slot-watch-{replica}")
-                watched = False
-            else:  # the hinted slot holds a newer version: no need to wait for the publisher
-                assert watch is not None
-                version, payload = watch.payload()
-                watch.stop()
-                watch = None
-                watched = True
-            if version <= have or not payload:
-                if caught_up is not None:
-                    caught_up.set()
-                continue
-            update = None
-            t0 = time.perf_counter()
-            if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store
-                try:
-                    update = await fetch_update(payload, have, can_load_in_place(backend), slots)
-                except OSError as e:  # a weight slot this process cannot map (or a bad stamp)
-                    await publisher.slot_unusable.remote(replica, str(e))
-                    if watch is not None:
-                        watch.stop()
-                        watch = None
-                    continue
-                state = update if can_load_in_place(backend) else update.state_dict()
-            elif isinstance(payload, dict) and payload.get("planned"):  # buckets / NCCL / IPC
-
-                state, group = await gpu_state(payload, backend, rank, group)
-            elif isinstance(payload, dict):  # collective: join the group once, then receive
-
-                if group is None:
-                    group = await aio.to_thread(GlooGroup, payload["host"], payload["port"],
-                                                rank, payload["world"])
-                state = await aio.to_thread(group.receive, payload["spec"])
-            else:
-                state = await payload[0]
-            t1 = time.perf_counter()
-            if await backend.update_weights(version, state):
-                have = version
-                if isinstance(payload, dict) and payload.get("checksum"):
-
-                    sums = await engine_checksums(backend, payload, state)
-                    await publisher.report_checksums.remote(replica, version, sums)
-                detail = update.detail() if update is not None else {}
-                serving_slot = update.slot if update is not None and update.borrowed else ""
-                detail |= {"slot": serving_slot, "watched": watched}
-                # where this replica's share of the sync went: fetching / receiving the
-                # version, then queueing for and running the engine's load (apply_s,
-                # apply_cpu_s inside)
-                detail |= {"fetch_s": t1 - t0, "update_s": time.perf_counter() - t1}
-                await publisher.report_applied.remote(replica, version, detail)
-            else:
-                have = max(have, backend.version)
-            if caught_up is not None:
-                caught_up.set()
-            del state, update
-    finally:
-        if watch is not None:
-            watch.stop()
-
-
-def _hint_of(version: int, payload: Any) -> tuple[int, str]:
-    """(the version a hint follows, the slot it names) of a publisher's answer ("": none)."""
-    hint = payload.get("next") if isinstance(payload, dict) else None
-    return (version, str(hint["slot"])) if isinstance(hint, dict) else (version, "")

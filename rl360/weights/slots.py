@@ -36,6 +36,7 @@ import os
 import platform
 import threading
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,7 @@ def writes_slots(slots: int, zero_copy: bool, delta: bool) -> bool:
     return slots > 0 and zero_copy and not delta
 
 
-def writer_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+def writer_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Environment variables for the process that writes weight slots (trainer rank 0): its
     large copies use streaming stores. Nothing on other CPUs than x86-64, or when the caller
     set that threshold itself; other GLIBC_TUNABLES it has are kept."""

@@ -1,7 +1,7 @@
 """Weight transports: how a new policy version reaches every engine replica.
 
 Both sit behind `WeightTransport.publish(version)` and both announce the version through the
-WeightPublisher actor, which the replicas long-poll (rl360.weights.publisher.follow_weights):
+WeightPublisher actor, which the replicas long-poll (rl360.weights.follow.follow_weights):
 
 - "object_store": the trainer's rank 0 puts each version into the object store as one packed
   object (full, or a delta against the version before); each replica fetches it (zero-copy on
@@ -14,110 +14,16 @@ WeightPublisher actor, which the replicas long-poll (rl360.weights.publisher.fol
 from __future__ import annotations
 
 import logging
-import socket
-from datetime import timedelta
 from typing import Any, Protocol
 
-import torch
-
+from rl360.ray_session import free_port
 from rl360.recipe import CollectiveSync, ObjectStoreSync, WeightSync
 from rl360.weights.plan import compare_checksums, plan_buckets
-
-_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64)}
+from rl360.weights.sender import Checksums, GpuUuid, Ipc, OpenGroup, Pack, ReleaseIpc, Send, Spec
 
 
 class WeightTransport(Protocol):
     def publish(self, version: int) -> bool: ...
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def tensor_spec(state: dict[str, torch.Tensor]) -> list[tuple[str, list[int], str]]:
-    return [(k, list(v.shape), str(v.dtype)) for k, v in state.items()]
-
-
-def flatten(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One contiguous buffer per dtype, tensors in the state dict's order."""
-    groups: dict[str, list[torch.Tensor]] = {}
-    for v in state.values():
-        groups.setdefault(str(v.dtype), []).append(v.detach().reshape(-1))
-    return {d: torch.cat(ts) for d, ts in groups.items()}
-
-
-def unflatten(spec: list[tuple[str, list[int], str]], buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    offsets = dict.fromkeys(buffers, 0)
-    for name, shape, dtype in spec:
-        n = 1
-        for d in shape:
-            n *= d
-        out[name] = buffers[dtype][offsets[dtype] : offsets[dtype] + n].view(shape)
-        offsets[dtype] += n
-    return out
-
-
-def buffer_sizes(spec: list[tuple[str, list[int], str]]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for _, shape, dtype in spec:
-        n = 1
-        for d in shape:
-            n *= d
-        sizes[dtype] = sizes.get(dtype, 0) + n
-    return sizes
-
-
-class GlooGroup:
-    """A torch.distributed gloo process group of its own (no default group needed), so a
-    trainer rank and Serve replicas can join one without disturbing their other groups.
-
-    Both ends keep their flat per-dtype buffers between versions (no fresh allocation and page
-    faults per version), and a buffer goes as several broadcasts of `chunk_mb` in flight at
-    once, which keeps the group's threads and sockets busy together."""
-
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float = 300.0,
-                 chunk_mb: float = 16.0) -> None:
-        import torch.distributed as dist
-
-        self.rank, self.world = rank, world
-        self.chunk = max(1, int(chunk_mb * 1024 * 1024))
-        store = dist.TCPStore(host, port, world, is_master=rank == 0,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        self.pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def broadcast(self, buffers: dict[str, torch.Tensor]) -> None:
-        works = []
-        for d in sorted(buffers):
-            flat = buffers[d]
-            step = max(1, self.chunk // flat.element_size())
-            for start in range(0, flat.numel(), step):
-                works.append(self.pg.broadcast(flat[start:start + step], 0))
-        for w in works:
-            w.wait()
-
-    def _buffers(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        if {d: b.numel() for d, b in self._bufs.items()} != sizes:
-            self._bufs = {d: torch.empty(n, dtype=_DTYPES[d]) for d, n in sizes.items()}
-        return self._bufs
-
-    def send(self, state: dict[str, torch.Tensor]) -> None:
-        groups: dict[str, list[torch.Tensor]] = {}
-        for v in state.values():
-            groups.setdefault(str(v.dtype), []).append(v.detach().reshape(-1))
-        bufs = self._buffers({d: sum(t.numel() for t in ts) for d, ts in groups.items()})
-        for d, ts in groups.items():
-            torch.cat(ts, out=bufs[d])
-        self.broadcast(bufs)
-
-    def receive(self, spec: list[tuple[str, list[int], str]]) -> dict[str, torch.Tensor]:
-        """Views into this group's buffers: valid until the next receive."""
-        bufs = self._buffers(buffer_sizes(spec))
-        self.broadcast(bufs)
-        return unflatten(spec, bufs)
 
 
 class ObjectStoreTransport:
@@ -125,11 +31,11 @@ class ObjectStoreTransport:
     full, or with `options.delta` the bits changed since the version before; replicas fetch
     zero-copy views and load them into their parameters in place.
 
-    `sender`: anything with a `pack_weights(version, packer, publisher)` remote method (the trainer's
-    rank 0 worker, or a bench's stand-in); a TrainerGroup stands for its rank 0. `dtype`: the
-    engines' dtype (floating weights are cast to it before sending, and deltas are taken on
-    it); `inplace`: the engines load packed updates in place (the torch backend), which
-    deltas need; other backends get full versions as state dicts."""
+    `sender`: an actor whose `weights(call)` runs a rl360.weights.sender.WeightSender call
+    (the trainer's rank 0 worker, or a bench's stand-in); a TrainerGroup stands for its rank
+    0. `dtype`: the engines' dtype (floating weights are cast to it before sending, and
+    deltas are taken on it); `inplace`: the engines load packed updates in place (the torch
+    backend), which deltas need; other backends get full versions as state dicts."""
 
     def __init__(self, serving: Any, sender: Any, options: ObjectStoreSync | None = None,
                  dtype: str | None = None, inplace: bool = True) -> None:
@@ -145,8 +51,8 @@ class ObjectStoreTransport:
         import ray
 
         # the sender puts the version and announces it to the publisher itself
-        meta = ray.get(self.sender.pack_weights.remote(version, self.packer,
-                                                       self.serving.publisher))
+        meta = ray.get(self.sender.weights.remote(Pack(version, self.packer,
+                                                       self.serving.publisher)))
         # kind, version, bytes per replica, and the sender's timings (pack_s, put_s, ...)
         self.last = {k: v for k, v in meta.items() if k not in ("layout", "published")}
         return bool(meta["published"])
@@ -157,10 +63,9 @@ class CollectiveTransport:
     on GPUs over NCCL / CUDA IPC (rl360.weights.nccl) as `options` (the recipe's
     CollectiveSync) say.
 
-    `sender` is anything with `open_group(host, port, world)` and `send_weights()` remote
-    methods (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths and the
-    checksum option also use `weight_spec`, `address`, `gpu_uuid`, `weight_ipc`,
-    `release_weight_ipc` and `weight_checksums` (rl360.actors.trainer_group.TrainerWorker)."""
+    `sender` is an actor whose `weights(call)` runs a rl360.weights.sender.WeightSender call
+    (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths also use its `address()`
+    (a free port on its node, rl360.actors.trainer_group.TrainerWorker)."""
 
     def __init__(self, serving: Any, sender: Any, replicas: int, host: str = "127.0.0.1",
                  options: CollectiveSync | None = None) -> None:
@@ -189,10 +94,10 @@ class CollectiveTransport:
         if not self.port:
             ranks = ray.get(pub.wait_registered.remote(self.replicas, 300.0))
             self.port = free_port(self.host)
-            self.spec = ray.get(self.sender.weight_spec.remote())
+            self.spec = ray.get(self.sender.weights.remote(Spec()))
             payload = {"kind": "collective", "host": self.host, "port": self.port,
                        "world": self.replicas + 1, "ranks": ranks, "spec": self.spec, **extra}
-            joined = self.sender.open_group.remote(self.host, self.port, self.replicas + 1)
+            joined = self.sender.weights.remote(OpenGroup(self.host, self.port, self.replicas + 1))
             if not ray.get(pub.publish_collective.remote(version, payload)):
                 return False
             ray.get(joined)
@@ -201,7 +106,7 @@ class CollectiveTransport:
                        "world": self.replicas + 1, "spec": self.spec, **extra}
             if not ray.get(pub.publish_collective.remote(version, payload)):
                 return False
-        ray.get(self.sender.send_weights.remote())
+        ray.get(self.sender.weights.remote(Send()))
         return True
 
     def _plan_gpu(self) -> dict[str, Any]:
@@ -211,14 +116,14 @@ class CollectiveTransport:
         o, pub = self.options, self.serving.publisher
         ray.get(pub.wait_registered.remote(self.replicas, 300.0))
         members: dict[str, dict[str, Any]] = ray.get(pub.members.remote())
-        sender_gpu = ray.get(self.sender.gpu_uuid.remote())
+        sender_gpu = ray.get(self.sender.weights.remote(GpuUuid()))
         shared = sorted(r for r, m in members.items() if sender_gpu and m.get("gpu") == sender_gpu)
         if shared and (o.ipc == "never" or len(shared) < len(members)):
             raise RuntimeError(
                 f"engine replicas {shared} share GPU {sender_gpu} with trainer rank 0: NCCL "
                 "cannot put two ranks on one GPU. Colocate every replica with rank 0 (CUDA IPC, "
                 "train.weight_sync.ipc='auto') or give the engines GPUs of their own")
-        self.spec = ray.get(self.sender.weight_spec.remote())
+        self.spec = ray.get(self.sender.weights.remote(Spec()))
         layout = o.layout
         if layout == "auto":
             native = all(m.get("layout") == "per_tensor" for m in members.values())
@@ -233,7 +138,8 @@ class CollectiveTransport:
         payload = {**base, "backend": o.backend, "host": host, "port": port, "world": world,
                    "group_name": group, "buckets": plan_buckets(self.spec, o.bucket_mb),
                    "ranks": {r: m["offset"] for r, m in members.items()}}
-        payload["joined"] = self.sender.open_group.remote(host, port, world, o.backend, group)
+        payload["joined"] = self.sender.weights.remote(
+            OpenGroup(host, port, world, o.backend, group))
         return payload
 
     def _publish_gpu(self, version: int) -> bool:
@@ -245,20 +151,20 @@ class CollectiveTransport:
             self._gpu = self._plan_gpu()
         payload = {k: v for k, v in self._gpu.items() if k != "joined"}
         if payload["backend"] == "ipc":
-            payload["ipc"] = ray.get(self.sender.weight_ipc.remote(payload["width"]))
+            payload["ipc"] = ray.get(self.sender.weights.remote(Ipc(payload["width"])))
             if not ray.get(pub.publish_collective.remote(version, payload)):
                 return False
             try:  # the shared tensors must outlive every engine's copy
                 ray.get(pub.wait_applied.remote(version, self.replicas, 600.0))
             finally:
-                ray.get(self.sender.release_weight_ipc.remote())
+                ray.get(self.sender.weights.remote(ReleaseIpc()))
             return True
         payload["first"] = first
         if not ray.get(pub.publish_collective.remote(version, payload)):
             return False
         if first:
             ray.get(self._gpu["joined"])
-        ray.get(self.sender.send_weights.remote(payload["buckets"], payload["layout"]))
+        ray.get(self.sender.weights.remote(Send(payload["buckets"], payload["layout"])))
         return True
 
     def _verify(self, version: int) -> list[Any]:
@@ -275,7 +181,7 @@ class CollectiveTransport:
         for replica, rep in sorted(reports.items()):
             sums = rep["sums"]
             limits = {n: (sums[n][0] if n in sums else None) for n in names}
-            ours = ray.get(self.sender.weight_checksums.remote(limits, rep.get("dtype")))
+            ours = ray.get(self.sender.weights.remote(Checksums(limits, rep.get("dtype"))))
             report = compare_checksums(ours, {n: v[1] for n, v in sums.items()},
                                        version=version, replica=replica)
             (log.info if report.ok else log.error)("weight checksum: %s", report.summary())

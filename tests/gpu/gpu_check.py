@@ -164,6 +164,7 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
     from rl360.recipe import EngineSection, ModelSection
     from rl360.serve.engines.base import build_engine_backend
     from rl360.serve.engines.torch_backend import TorchBackend
+    from rl360.weights.payloads import TensorUpdate
 
     ps = prompts(args.model)
     new = perturbation(args.model)
@@ -182,19 +183,19 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
         res["engine_start_and_first_s"] = time.perf_counter() - t0
         r0 = await greedy(ref, ps, args.max_tokens)
         res["before"] = compare(r0, e0, ref.model, ps, args.tie_tol)
-        res["updated"] = await eng.update_weights(1, new)
-        res["ref_updated"] = await ref.update_weights(1, new)
-        res["stale_refused"] = not await eng.update_weights(1, new)
+        res["updated"] = await eng.update_weights(1, TensorUpdate(new))
+        res["ref_updated"] = await ref.update_weights(1, TensorUpdate(new))
+        res["stale_refused"] = not await eng.update_weights(1, TensorUpdate(new))
         e1 = await greedy(eng, ps, args.max_tokens)
         r1 = await greedy(ref, ps, args.max_tokens)
         res["after"] = compare(r1, e1, ref.model, ps, args.tie_tol)
         res["engine_changed"] = sum(a["ids"] != b["ids"] for a, b in zip(e0, e1, strict=True))
         res["ref_changed"] = sum(a["ids"] != b["ids"] for a, b in zip(r0, r1, strict=True))
         res["versions_after"] = sorted({g["version"] for g in e1})
-        if callable(getattr(eng, "weight_checksums", None)):
+        if eng.weight_intake().own_group:  # SGLang: checksums read back from the engine
             from rl360.weights.plan import checksum_state, compare_checksums
 
-            sums = await eng.weight_checksums(PERTURBED)
+            sums = (await eng.weight_checksums(PERTURBED, TensorUpdate(new))).sums
             ours = checksum_state(new, {n: v[0] for n, v in sums.items()}, f"torch.{args.dtype}")
             rep = compare_checksums(ours, {n: v[1] for n, v in sums.items()}, version=1,
                                     replica=args.engine)
@@ -217,12 +218,12 @@ async def parity(args: argparse.Namespace) -> dict[str, Any]:
 def _nccl_receiver(port: int, group: str, buckets: Any, device: int, q: Any) -> None:
     import torch
 
-    from rl360.weights.nccl import WeightReceiver
+    from rl360.weights.nccl import GroupReceiver
     from rl360.weights.plan import checksum_state
 
     try:
         torch.cuda.set_device(device)
-        rx = WeightReceiver("127.0.0.1", port, 2, 1, "nccl", group, timeout_s=90)
+        rx = GroupReceiver("127.0.0.1", port, 2, 1, "nccl", group, timeout_s=90)
         got = rx.receive(buckets, "per_tensor")
         q.put({"sums": checksum_state({k: v.cpu() for k, v in got.items()})})
         rx.close()
@@ -246,15 +247,15 @@ def nccl(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from rl360.weights.nccl import WeightSender
+    from rl360.ray_session import free_port
+    from rl360.weights.nccl import GroupSender
     from rl360.weights.plan import checksum_state, compare_checksums, plan_buckets
-    from rl360.weights.transports import free_port
 
     g = torch.Generator().manual_seed(0)
     state = {f"layer{i}.weight": torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
              for i in range(24)}
     state["norm.weight"] = torch.randn(1024, generator=g)
-    sender = WeightSender(lambda: state)
+    sender = GroupSender(lambda: state)
     buckets = plan_buckets(sender.spec(), args.bucket_mb)
     want = checksum_state(state)
     ctx = mp.get_context("spawn")
@@ -355,8 +356,7 @@ def bench_recipe(engine: str, model: str, port: int) -> Any:
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from bench.serve_overhead import through_server
     from rl360.launch.serve_app import start_serving, stop_serving
-    from rl360.ray_session import ray_session
-    from rl360.weights.transports import free_port
+    from rl360.ray_session import free_port, ray_session
 
     raw = asyncio.run(raw_tps(args.engine, args.model, args.sessions, args.requests,
                               args.max_tokens))
@@ -389,7 +389,7 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     from rl360.serve.engines.sglang_backend import engine_kwargs
     from rl360.weights import nccl as _nccl
 
-    wired: dict[str, Any] = {"nccl_sender": _nccl.WeightSender.__name__}
+    wired: dict[str, Any] = {"nccl_sender": _nccl.GroupSender.__name__}
     if args.cmd in ("parity", "bench"):
         cfg = EngineSection(backend=args.engine, options=dict(ENGINE_OPTIONS[args.engine]))
         if args.engine == "sglang":

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rl360.actors.run_ledger import account, read_ledger
-from rl360.weights.transports import free_port
+from rl360.ray_session import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]

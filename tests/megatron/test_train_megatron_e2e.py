@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rl360.weights.transports import free_port
+from rl360.ray_session import free_port
 from tests.megatron.conftest import MEGATRON_MISSING
 
 pytest.importorskip("megatron.core", reason=MEGATRON_MISSING)

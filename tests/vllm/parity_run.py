@@ -28,6 +28,7 @@ import torch
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.torch_backend import processed_logprobs
 from rl360.types import SamplingParams
+from rl360.weights.payloads import TensorUpdate
 
 PROMPTS = [
     "def add(a, b):",
@@ -127,11 +128,11 @@ async def main(model: str) -> dict[str, Any]:
         res["seeded_repeat_same"] = again.token_ids == sampled[0].token_ids
 
         state = perturbed(torch_b.model)
-        res["update_torch"] = await torch_b.update_weights(1, state)
-        res["update_vllm"] = await vllm_b.update_weights(1, state)
-        res["update_again_vllm"] = await vllm_b.update_weights(1, state)
+        res["update_torch"] = await torch_b.update_weights(1, TensorUpdate(state))
+        res["update_vllm"] = await vllm_b.update_weights(1, TensorUpdate(state))
+        res["update_again_vllm"] = await vllm_b.update_weights(1, TensorUpdate(state))
         try:
-            await vllm_b.update_weights(2, {"no.such.weight": torch.zeros(2)})
+            await vllm_b.update_weights(2, TensorUpdate({"no.such.weight": torch.zeros(2)}))
             res["unknown_name_refused"] = False
         except ValueError:
             res["unknown_name_refused"] = True

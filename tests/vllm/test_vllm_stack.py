@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rl360.weights.transports import free_port
+from rl360.ray_session import free_port
 from tests.serving import open_session, serving
 from tests.vllm.common import REPO, needs_vllm
 

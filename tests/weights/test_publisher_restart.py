@@ -1,4 +1,4 @@
-"""A restarted WeightPublisher (#16) comes back empty: without Ray, the replicas' polls tell it
+"""A restarted WeightPublisher comes back empty: without Ray, the replicas' polls tell it
 what each serves again, a delta it cannot extend is refused and the same version sent full is
 taken, and a replica that starts behind waits until it caught up before it serves."""
 
@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from rl360.weights.follow import follow_weights
 from rl360.weights.packing import WeightPacker
-from rl360.weights.publisher import WeightPublisher, follow_weights
+from rl360.weights.payloads import TensorUpdate, WeightUpdate
+from rl360.weights.publisher import WeightPublisher
+from rl360.weights.receiver import Intake, WeightChecksums
 
 
 def _meta(packet: Any) -> dict[str, Any]:
@@ -44,15 +47,25 @@ async def test_a_delta_the_restarted_publisher_cannot_extend_goes_full() -> None
 
 
 class _Backend:
+    """A weight receiver that keeps what it was handed."""
+
     def __init__(self) -> None:
         self.version = 0
+        self.updates: list[WeightUpdate] = []
 
     def health(self) -> dict[str, Any]:
         return {}
 
-    async def update_weights(self, version: int, state: Any) -> bool:
+    def weight_intake(self) -> Intake:
+        return Intake()
+
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
         self.version = version
+        self.updates.append(update)
         return True
+
+    async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
+        return WeightChecksums(None, {})
 
 
 class _Handle:
@@ -83,4 +96,6 @@ async def test_a_replica_is_caught_up_only_once_it_holds_the_published_version()
     fut.set_result({"w": torch.zeros(1)})
     await asyncio.wait_for(ready.wait(), 5)
     assert backend.version == 5
+    [update] = backend.updates  # the state dict the driver put, as tensors
+    assert isinstance(update, TensorUpdate) and list(update.tensors) == ["w"]
     task.cancel()

@@ -17,6 +17,7 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import CollectiveSync, TrainerSection
+    from rl360.weights.sender import Spec
     from rl360.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
@@ -27,7 +28,7 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
             assert transport.publish(1)
             assert ray.get(handles.publisher.wait_applied.remote(1, 1, 120.0)) == 1
             [report] = transport.last_reports
-            sent = ray.get(trainer.workers[0].weight_spec.remote())
+            sent = ray.get(trainer.workers[0].weights.remote(Spec()))
             assert report.ok, report.summary()
             assert report.checked == len(sent) and report.version == 1
             members = ray.get(handles.publisher.members.remote())

@@ -9,14 +9,14 @@ import torch
 
 from rl360.weights.packing import (
     ChecksumMismatch,
-    DeltaPacket,
-    FullPacket,
-    PackedUpdate,
     Packet,
     WeightPacker,
+    apply_packed,
     own_weights,
+    packed_tensors,
     plan_fetch,
 )
+from rl360.weights.payloads import DeltaPacket, DeltaUpdate, FullPacket, FullUpdate, PackedUpdate
 
 
 class Net(torch.nn.Module):
@@ -54,11 +54,13 @@ def _update(p: Packet, chain: list[Packet]) -> PackedUpdate:
     """What a replica that already holds the previous version gets for packet `p`."""
     def fetch_full() -> tuple[FullPacket, list[DeltaPacket]]:
         base = max(i for i, q in enumerate(chain) if q.kind == "full")
-        return chain[base].data, [q.data for q in chain[base + 1:]]  # type: ignore[misc]
+        return chain[base].data, [q.data for q in chain[base + 1:]]
 
     if p.kind == "full":
-        return PackedUpdate(p.data.version, p.layout, p.data, [], fetch_full)  # type: ignore[arg-type]
-    return PackedUpdate(p.data.version, p.layout, None, [p.data], fetch_full)  # type: ignore[list-item]
+        return FullUpdate(version=p.data.version, layout=p.layout, full=p.data,
+                          fetch_full=fetch_full)
+    return DeltaUpdate(version=p.data.version, layout=p.layout, deltas=[p.data],
+                       fetch_full=fetch_full)
 
 
 def test_delta_chain_is_bit_exact_with_full_syncs() -> None:
@@ -76,10 +78,10 @@ def test_delta_chain_is_bit_exact_with_full_syncs() -> None:
         chain.append(p)
         kinds.append(p.kind)
         update = _update(p, chain)
-        update.apply_to(by_delta)
+        apply_packed(update, by_delta)
         assert not update.fell_back  # the deltas alone got there
         f = full_packer.pack(version, state)
-        _update(f, [f]).apply_to(by_full)
+        apply_packed(_update(f, [f]), by_full)
         assert _bits(by_delta) == _bits(by_full), f"version {version}"
         if p.kind == "delta":
             assert p.nbytes < 0.5 * f.nbytes
@@ -93,14 +95,14 @@ def test_drifted_replica_falls_back_to_the_full_version() -> None:
     packer = WeightPacker(delta=True, max_delta_fraction=0.9, dtype="bfloat16")
     model = Net(torch.bfloat16)
     chain = [packer.pack(1, state)]
-    _update(chain[0], chain).apply_to(model)
+    apply_packed(_update(chain[0], chain), model)
     with torch.no_grad():
         model.a.weight[0, 0] += 1.0  # the replica's weights are not what the sender diffed
     _step(state, 1e-6, 2)
     chain.append(packer.pack(2, state))
     assert chain[-1].kind == "delta"
     update = _update(chain[-1], chain)
-    update.apply_to(model)
+    apply_packed(update, model)
     assert update.fell_back
     assert torch.equal(model.a.weight, state["a.weight"].to(torch.bfloat16))
 
@@ -110,18 +112,18 @@ def test_mismatch_that_the_full_version_does_not_fix_raises() -> None:
     packer = WeightPacker(delta=True, dtype="bfloat16")
     model = Net(torch.bfloat16)
     full = packer.pack(1, state)
-    PackedUpdate(1, full.layout, full.data, []).apply_to(model)  # type: ignore[arg-type]
+    apply_packed(FullUpdate(version=1, layout=full.layout, full=full.data), model)
     with torch.no_grad():
         state["a.bias"][:3] += 1.0
     delta = packer.pack(2, state)
     assert delta.kind == "delta"
     delta.data.checksums[0] ^= 1  # corrupt in transit
     with pytest.raises(ChecksumMismatch, match="version 2"):
-        PackedUpdate(2, delta.layout, None, [delta.data]).apply_to(model)  # type: ignore[list-item]
-    again = PackedUpdate(2, delta.layout, None, [delta.data],  # type: ignore[list-item]
-                         fetch_full=lambda: (full.data, [delta.data]))
+        apply_packed(DeltaUpdate(version=2, layout=delta.layout, deltas=[delta.data]), model)
+    again = DeltaUpdate(version=2, layout=delta.layout, deltas=[delta.data],
+                        fetch_full=lambda: (full.data, [delta.data]))
     with pytest.raises(ChecksumMismatch, match="version 2"):
-        again.apply_to(model)
+        apply_packed(again, model)
     assert again.fell_back
 
 
@@ -166,8 +168,8 @@ def test_full_versions_are_served_in_place_and_never_written() -> None:
     assert v1.data.shareable  # type: ignore[union-attr]
     kept = [a.copy() for a in v1.data.arrays]  # type: ignore[union-attr]
     model = Net(torch.float32)
-    up = PackedUpdate(1, v1.layout, v1.data, [])  # type: ignore[arg-type]
-    up.apply_to(model)
+    up = FullUpdate(version=1, layout=v1.layout, full=v1.data)
+    apply_packed(up, model)
     assert up.borrowed == 3 and up.detail()["borrowed"] == 3  # the buffer "steps" was copied
     arrays = dict(zip((e.name for e in v1.layout.entries), v1.data.arrays, strict=True))  # type: ignore[union-attr]
     assert model.a.weight.data_ptr() == arrays["a.weight"].ctypes.data
@@ -179,7 +181,7 @@ def test_full_versions_are_served_in_place_and_never_written() -> None:
     _step(state, 1e-3, 2)  # a copied version (zero_copy off) writes: into private memory
     v2 = WeightPacker(dtype="float32", zero_copy=False).pack(2, state)
     assert not v2.data.shareable  # type: ignore[union-attr]
-    PackedUpdate(2, v2.layout, v2.data, []).apply_to(model)  # type: ignore[arg-type]
+    apply_packed(FullUpdate(version=2, layout=v2.layout, full=v2.data), model)
     assert model.a.weight.data_ptr() != arrays["a.weight"].ctypes.data
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert all((a == k).all() for a, k in zip(v1.data.arrays, kept, strict=True))  # type: ignore[union-attr]
@@ -194,11 +196,11 @@ def test_a_version_in_another_dtype_is_copied_into_private_memory() -> None:
     v1 = _as_object_store(WeightPacker(dtype="float32").pack(1, state))
     kept = [a.copy() for a in v1.data.arrays]  # type: ignore[union-attr]
     model = Net(torch.float32)
-    PackedUpdate(1, v1.layout, v1.data, []).apply_to(model)  # type: ignore[arg-type]
+    apply_packed(FullUpdate(version=1, layout=v1.layout, full=v1.data), model)
     _step(state, 1e-2, 2)
     v2 = _as_object_store(WeightPacker(dtype="bfloat16").pack(2, state))
-    up = PackedUpdate(2, v2.layout, v2.data, [])  # type: ignore[arg-type]
-    up.apply_to(model)
+    up = FullUpdate(version=2, layout=v2.layout, full=v2.data)
+    apply_packed(up, model)
     assert up.borrowed == 0 and own_weights(model) == 0
     assert torch.equal(model.a.weight, state["a.weight"].to(torch.bfloat16).float())
     assert all((a == k).all() for a, k in zip(v1.data.arrays, kept, strict=True))  # type: ignore[union-attr]
@@ -216,7 +218,7 @@ def test_tied_weights_stay_tied_when_borrowed_and_owned() -> None:
     model = Tied()
     state = {k: v.clone() + 1.0 for k, v in model.state_dict().items()}
     p = _as_object_store(WeightPacker().pack(1, state))
-    PackedUpdate(1, p.layout, p.data, []).apply_to(model)  # type: ignore[arg-type]
+    apply_packed(FullUpdate(version=1, layout=p.layout, full=p.data), model)
     assert model.head.weight is model.emb.weight
     assert torch.equal(model.emb.weight, state["emb.weight"])
     ptr = model.emb.weight.data_ptr()
@@ -241,7 +243,7 @@ def test_plan_fetch() -> None:
 def test_full_versions_load_into_other_backends_as_state_dicts() -> None:
     state = _trainer_state()
     p = WeightPacker(dtype="float32").pack(1, state)
-    views = PackedUpdate(1, p.layout, p.data, []).state_dict()  # type: ignore[arg-type]
+    views = packed_tensors(FullUpdate(version=1, layout=p.layout, full=p.data))
     assert all(torch.equal(views[k], v) for k, v in state.items())
     d = WeightPacker(delta=True)
     d.pack(1, state)
@@ -250,7 +252,7 @@ def test_full_versions_load_into_other_backends_as_state_dicts() -> None:
     q = d.pack(2, state)
     assert q.kind == "delta"
     with pytest.raises(ValueError, match="torch backend"):
-        PackedUpdate(2, q.layout, None, [q.data]).state_dict()  # type: ignore[list-item]
+        packed_tensors(DeltaUpdate(version=2, layout=q.layout, deltas=[q.data]))
 
 
 def test_delta_is_an_object_store_key_in_the_recipe() -> None:

@@ -9,9 +9,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from rl360.weights.nccl import WeightReceiver, WeightSender
+from rl360.ray_session import free_port
+from rl360.weights.nccl import GroupReceiver, GroupSender
 from rl360.weights.plan import NameMap, checksum_state, plan_buckets
-from rl360.weights.transports import free_port
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -27,7 +27,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 def _receiver(port: int, group: str, buckets, layout: str, q) -> None:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
-    rx = WeightReceiver("127.0.0.1", port, 2, 1, "gloo", group)
+    rx = GroupReceiver("127.0.0.1", port, 2, 1, "gloo", group)
     got = rx.receive(buckets, layout)
     q.put(checksum_state(got))
     rx.close()
@@ -36,7 +36,7 @@ def _receiver(port: int, group: str, buckets, layout: str, q) -> None:  # type: 
 @pytest.mark.parametrize("layout", ["flat", "per_tensor"])
 def test_bucketed_broadcast_arrives_intact(layout: str) -> None:
     names = NameMap(drop=[r"^lm_head\."])
-    sender = WeightSender(_state, names)
+    sender = GroupSender(_state, names)
     spec = sender.spec()
     assert [n for n, _, _ in spec] == ["model.embed.weight", "model.norm.weight",
                                        "model.layers.0.w", "model.step"]
@@ -64,11 +64,11 @@ def test_bucketed_broadcast_arrives_intact(layout: str) -> None:
 
 def test_send_before_open_is_refused() -> None:
     with pytest.raises(RuntimeError, match="before open"):
-        WeightSender(_state).send()
+        GroupSender(_state).send()
 
 
 def _gloo_receiver(port: int, spec, q) -> None:  # type: ignore[no-untyped-def]
-    from rl360.weights.transports import GlooGroup
+    from rl360.weights.gloo import GlooGroup
 
     torch.set_num_threads(1)
     group = GlooGroup("127.0.0.1", port, 1, 2, chunk_mb=0.001)
@@ -79,7 +79,7 @@ def _gloo_receiver(port: int, spec, q) -> None:  # type: ignore[no-untyped-def]
 def test_gloo_group_sends_versions_in_chunks() -> None:
     """The CPU collective path: flat per-dtype buffers kept between versions, each broadcast
     as many ~1 KB chunks in flight at once; both versions arrive intact."""
-    from rl360.weights.transports import GlooGroup, tensor_spec
+    from rl360.weights.gloo import GlooGroup, tensor_spec
 
     state = _state()
     spec = tensor_spec(state)

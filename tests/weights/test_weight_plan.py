@@ -13,6 +13,7 @@ from rl360.recipe import (
     checked,
     decode_recipe,
 )
+from rl360.weights.gloo import tensor_spec
 from rl360.weights.plan import (
     NameMap,
     bucket_bytes,
@@ -22,7 +23,6 @@ from rl360.weights.plan import (
     plan_buckets,
     tensor_checksum,
 )
-from rl360.weights.transports import tensor_spec
 
 MB = 1024 * 1024
 

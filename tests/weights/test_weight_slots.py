@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from rl360.weights.packing import PackedUpdate, WeightPacker, fetch_update
+from rl360.weights.packing import WeightPacker, apply_packed, fetch_update
+from rl360.weights.payloads import SlotUpdate
 from rl360.weights.publisher import WeightPublisher
 from rl360.weights.slots import CAN_WAIT, SlotReader, SlotWatch, SlotWriter
 from tests.weights.test_weight_delta import Net, _step, _trainer_state
@@ -53,9 +54,9 @@ def test_a_replica_serves_a_slot_in_place_bit_exact_and_read_only() -> None:
         serving = str(desc["slot"])
         update = asyncio.run(fetch_update(_chain(version, packed, desc), version - 1, True,
                                           reader))
-        assert isinstance(update, PackedUpdate) and update.slot == desc["slot"]
+        assert isinstance(update, SlotUpdate) and update.slot == desc["slot"]
         assert update.full is not None and update.full.mapped == (version == 4)  # v1's slot again
-        update.apply_to(model)
+        apply_packed(update, model)
         assert update.borrowed == 3  # three parameters view the slot; the buffer is copied
         want = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v)
                 for k, v in state.items()}

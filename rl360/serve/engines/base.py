@@ -12,20 +12,25 @@ from typing import Any, Protocol, runtime_checkable
 
 from rl360.recipe import EngineSection, ModelSection
 from rl360.types import Generation, SamplingParams
+from rl360.weights.payloads import WeightUpdate
+from rl360.weights.receiver import WeightReceiver
 
 
 @runtime_checkable
-class EngineBackend(Protocol):
-    """Generation with per-token logprobs and versioned weights."""
+class EngineBackend(WeightReceiver, Protocol):
+    """Generation with per-token logprobs and versioned weights: a weight receiver
+    (rl360.weights.receiver: `weight_intake`, `update_weights`, `weight_checksums`) that
+    generates."""
 
     @property
     def version(self) -> int: ...
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Generation: ...
 
-    async def update_weights(self, version: int, state: Any) -> bool:
-        """Apply `state` (a name -> tensor mapping) as `version`, between batches. Returns
-        False (and logs why) when `version` is not newer than the current one."""
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        """Apply `update` (one of rl360.weights.payloads' kinds, those `weight_intake`
+        says) as `version`, between batches. Returns False (and logs why) when `version` is
+        not newer than the current one."""
         ...
 
     async def pause(self) -> None: ...

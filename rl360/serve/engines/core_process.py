@@ -50,6 +50,9 @@ from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.routing import rank_replicas
 from rl360.types import Generation, SamplingParams
+from rl360.weights.payloads import TensorUpdate, WeightUpdate, refuse
+from rl360.weights.plan import update_checksums
+from rl360.weights.receiver import Intake, WeightChecksums
 
 log = logging.getLogger("rl360.engine.core")
 
@@ -365,22 +368,25 @@ class CoreProcessBackend:
         check_prompt(prompt_ids, self.model_cfg.max_model_len)
         return await (await self._connection()).generate(prompt_ids, sampling)
 
-    async def update_weights(self, version: int, state: Any) -> bool:
-        if hasattr(state, "__await__") and not isinstance(state, dict):
-            state = await state  # a Ray ObjectRef
-        if not isinstance(state, dict):
-            raise TypeError(f"engine core: a weight version must be a name -> tensor dict, "
-                            f"not {type(state).__name__}")
+    def weight_intake(self) -> Intake:
+        return Intake()  # versions as tensors, staged for the core to copy
+
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        if not isinstance(update, TensorUpdate):
+            raise refuse("core process", update, "tensor (name -> tensor)")
         conn = await self._connection()
         if self._buffer is None:
             self._buffer = _StagingBuffer()
         buffer = self._buffer
-        entries = await asyncio.to_thread(buffer.stage, state)
+        entries = await asyncio.to_thread(buffer.stage, update.tensors)
         ok = bool(await conn.request(lambda i: Update(i, version, os.getpid(), buffer.fd,
                                                       entries)))
         if ok:
             self._version = max(self._version, version)
         return ok
+
+    async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
+        return await asyncio.to_thread(update_checksums, names, update)
 
     async def pause(self) -> None:
         await self._call("pause")
@@ -618,7 +624,7 @@ class _Core:
     async def update(self, msg: Update) -> bool:
         state, mm = await asyncio.to_thread(_load_update, msg)
         try:
-            return bool(await self.backend.update_weights(msg.version, state))
+            return bool(await self.backend.update_weights(msg.version, TensorUpdate(state)))
         finally:
             del state
             with contextlib.suppress(BufferError):

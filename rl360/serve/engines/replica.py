@@ -2,7 +2,7 @@
 
 Replicas are reached through a DeploymentHandle with `session_id` set, and the
 SessionAffinityRouter keeps a session on one replica. Each replica follows the WeightPublisher
-actor (rl360.weights.publisher.follow_weights) and applies every new version between
+actor (rl360.weights.follow.follow_weights) and applies every new version between
 generations.
 """
 
@@ -18,7 +18,8 @@ from rl360.policies.affinity import set_niceness
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines import build_engine_backend
 from rl360.types import Generation, SamplingParams
-from rl360.weights.publisher import follow_weights
+from rl360.weights.follow import follow_weights
+from rl360.weights.payloads import WeightUpdate
 
 log = logging.getLogger("rl360.engine")
 
@@ -105,8 +106,8 @@ class EngineReplica:
         return list(await asyncio.gather(*(self.generate(ids, sp) for ids, sp in items),
                                          return_exceptions=True))
 
-    async def update_weights(self, version: int, state: Any) -> bool:
-        return await self.backend.update_weights(version, state)
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        return await self.backend.update_weights(version, update)
 
     async def pause(self) -> None:
         await self.backend.pause()

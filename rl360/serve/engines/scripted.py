@@ -13,6 +13,9 @@ from typing import Any
 from rl360.policies.loading import load_tokenizer
 from rl360.recipe import EngineSection, ModelSection
 from rl360.types import Generation, SamplingParams
+from rl360.weights.payloads import WeightUpdate
+from rl360.weights.plan import update_checksums
+from rl360.weights.receiver import Intake, WeightChecksums
 
 
 class ScriptedBackend:
@@ -61,11 +64,18 @@ class ScriptedBackend:
         v = self._version
         return Generation(ids, lps, finish, v, [v] * len(ids), stop_kind=kind)  # type: ignore[arg-type]
 
-    async def update_weights(self, version: int, state: Any) -> bool:
+    def weight_intake(self) -> Intake:
+        return Intake()
+
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        """Takes any kind of version, and only its number: no weights to load."""
         if version <= self._version:
             return False
         self._version = version
         return True
+
+    async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
+        return await asyncio.to_thread(update_checksums, names, update)
 
     async def pause(self) -> None:
         self._running.clear()

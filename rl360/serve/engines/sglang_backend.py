@@ -63,8 +63,6 @@ from rl360.serve.engines.base import BackendUnavailable
 from rl360.serve.engines.gate import VersionGate
 from rl360.serve.engines.sglang_client import check_result
 from rl360.serve.engines.sglang_mapping import (
-    CollectiveUpdate,
-    IpcUpdate,
     SGLangOptions,
     engine_kwargs,
     serialize_named_tensors,
@@ -74,10 +72,18 @@ from rl360.serve.engines.sglang_mapping import (
     to_sglang_sampling,
 )
 from rl360.types import Generation, SamplingParams
+from rl360.weights.payloads import (
+    CollectiveUpdate,
+    IpcUpdate,
+    TensorUpdate,
+    WeightUpdate,
+    refuse,
+)
 from rl360.weights.plan import plan_buckets, tensor_checksum
+from rl360.weights.receiver import Intake, WeightChecksums
 
-__all__ = ["CollectiveUpdate", "IpcUpdate", "SGLangBackend", "SGLangOptions", "engine_kwargs",
-           "sglang_installed", "split_options", "to_generation", "to_sglang_sampling"]
+__all__ = ["SGLangBackend", "SGLangOptions", "engine_kwargs", "sglang_installed",
+           "split_options", "to_generation", "to_sglang_sampling"]
 
 log = logging.getLogger("rl360.engine.sglang")
 
@@ -91,7 +97,6 @@ class SGLangBackend:
                 "engine backend 'sglang' needs the sglang package (pip install 'rl360[sglang]' "
                 "on a GPU machine), or options mode='http' with the url of a running server")
         self.tp = int(extra.get("tp_size", engine.tensor_parallel))
-        self.weight_group_width = self.tp  # ranks this replica takes in a collective group
         self.model_path = str(resolve_model_path(model.path))
         self._kwargs = engine_kwargs(engine, model, seed, self.model_path)
         self._client: Any = None
@@ -186,30 +191,30 @@ class SGLangBackend:
             finally:
                 check_result(await client.resume(), "continue_generation")
 
+    def weight_intake(self) -> Intake:
+        # its tensor-parallel workers join the sender's group themselves
+        return Intake(own_group=True, group_width=self.tp)
 
-    async def update_weights(self, version: int, state: Any) -> bool:
-
-        if hasattr(state, "__await__") and not isinstance(state, dict):
-            state = await state  # a Ray ObjectRef
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        if not isinstance(update, CollectiveUpdate | IpcUpdate | TensorUpdate):
+            raise refuse("sglang", update, "collective, ipc or tensor")
         client = await self._ensure_client()
         flush = self.options.pause_mode != "in_place"  # SGLang cannot flush paused requests
         async with self._updating(client):
             newer = version > self._gate.version
-            if not newer and not isinstance(state, CollectiveUpdate):
+            if not newer and not isinstance(update, CollectiveUpdate):
                 log.warning("ignoring weight update to version %d: this replica serves %d",
                             version, self._gate.version)
                 return False
             t0 = time.perf_counter()
-            if isinstance(state, CollectiveUpdate):
+            if isinstance(update, CollectiveUpdate):
                 # the sender is broadcasting now: receive even a stale version, or it hangs
-                await self._receive_collective(client, state, flush)
-            elif isinstance(state, IpcUpdate):
-                check_result(await client.update_from_tensor(state.serialized_per_rank, flush),
+                await self._receive_collective(client, update, flush)
+            elif isinstance(update, IpcUpdate):
+                check_result(await client.update_from_tensor(update.serialized_per_rank, flush),
                              "update_weights_from_tensor (CUDA IPC)")
-            elif isinstance(state, dict):
-                await self._apply_dict(client, state, flush)
             else:
-                raise TypeError(f"sglang backend cannot apply weights of type {type(state)}")
+                await self._apply_dict(client, update.tensors, flush)
             if not newer:
                 log.warning("received collective version %d but serve %d: kept the version",
                             version, self._gate.version)
@@ -231,15 +236,14 @@ class SGLangBackend:
                      "init_weights_update_group")
         self._groups.add(group_name)
 
-    async def weight_checksums(self, names: list[str]) -> dict[str, tuple[int, int]]:
+    async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
         """name -> (elements compared, checksum) of what the engine serves, from SGLang's
         get_weights_by_name (a prefix of each weight: checksum_prefix elements or fewer)."""
         import torch
 
-
         client = await self._ensure_client()
         dtype = getattr(torch, self.model_cfg.dtype)
-        out: dict[str, tuple[int, int]] = {}
+        out: dict[str, tuple[int | None, int]] = {}
         for name in names:
             values = await client.get_weights(name, self.options.checksum_prefix)
             if isinstance(values, dict):  # HTTP wraps it
@@ -249,7 +253,7 @@ class SGLangBackend:
             flat = torch.tensor(values, dtype=torch.float64).reshape(-1)
             flat = flat[: self.options.checksum_prefix].to(dtype)
             out[name] = (int(flat.numel()), tensor_checksum(flat))
-        return out
+        return WeightChecksums(f"torch.{self.model_cfg.dtype}", out)
 
     async def pause(self) -> None:
         await self._gate.set_paused(True)

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any, Protocol
 
-from rl360.weights.transports import free_port
+from rl360.ray_session import free_port
 
 log = logging.getLogger("rl360.engine.sglang")
 

@@ -1,5 +1,5 @@
-"""The SGLang backend's plain parts (no sglang import at module level): its options, the
-weight-update messages, and the mapping of requests and answers between RL360 and SGLang's
+"""The SGLang backend's plain parts (no sglang import at module level): its options and the
+mapping of requests and answers between RL360 and SGLang's
 native API. rl360.serve.engines.sglang_backend uses them; tests/serve/engines/test_sglang_mapping.py checks
 them on CPU.
 """
@@ -30,22 +30,6 @@ class SGLangOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     launch_timeout_s: float = 600.0
     checksum_prefix: int = 64  # elements per tensor compared by weight_checksums()
     bucket_mb: float = 1024.0  # object-store updates go to the GPU in buckets this large
-
-
-class CollectiveUpdate(msgspec.Struct):
-    """A version arriving over the collective group: the engine receives `buckets` in order
-    (each one update_weights_from_distributed call, one broadcast per tensor)."""
-
-    group_name: str
-    buckets: list[list[tuple[str, list[int], str]]]
-    join: tuple[str, int, int, int, str] | None = None  # (host, port, rank_offset, world, backend)
-
-
-class IpcUpdate(msgspec.Struct):
-    """Weights on the engine's own GPU, shared by CUDA IPC: one ForkingPickler payload of
-    [(name, cuda tensor)] per tensor-parallel rank (the sender keeps the tensors alive)."""
-
-    serialized_per_rank: list[bytes]
 
 
 def sglang_installed() -> bool:

@@ -54,7 +54,10 @@ from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.sampling import processed_logprobs, sample_rows
 from rl360.serve.engines.torch_model import LlamaRunner
 from rl360.types import Generation, SamplingParams
-from rl360.weights.packing import own_weights
+from rl360.weights.packing import apply_packed, own_weights
+from rl360.weights.payloads import PackedUpdate, TensorUpdate, WeightUpdate, refuse
+from rl360.weights.plan import held_checksums
+from rl360.weights.receiver import Intake, WeightChecksums
 
 log = logging.getLogger("rl360.engine.torch")
 _MAX_BURST = 64  # decode steps the engine thread may run before handing back to the loop
@@ -87,7 +90,7 @@ class _Request:
 @dataclass
 class _Update:
     version: int
-    state: Any
+    state: PackedUpdate | TensorUpdate
     done: asyncio.Future[bool]
     arrived: float = 0.0  # perf_counter when it was queued
 
@@ -189,18 +192,24 @@ class TorchBackend:
         self._poke()
         return await fut  # cancelling the caller cancels fut: its row leaves at the next step
 
-    async def update_weights(self, version: int, state: Any) -> bool:
+    def weight_intake(self) -> Intake:
+        return Intake(packed=True)  # packed versions load into its parameters in place
+
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        if not isinstance(update, PackedUpdate | TensorUpdate):
+            raise refuse("torch", update, "packed (full, slot, delta) or tensor")
         self._ensure_started()
         assert self._wake is not None
-        if hasattr(state, "__await__") and not isinstance(state, dict):
-            state = await state  # a Ray ObjectRef
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._updates.append(_Update(version, state, done, time.perf_counter()))
+        self._updates.append(_Update(version, update, done, time.perf_counter()))
         if self.weight_update == "inflight":
             self._wake.set()  # no interrupt: a decode burst takes it before its next step
         else:
             self._poke()
         return await done
+
+    async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
+        return await asyncio.to_thread(held_checksums, self.model.state_dict(), names)
 
     async def pause(self) -> None:
         self._ensure_started()
@@ -335,10 +344,13 @@ class TorchBackend:
                 continue
             t0, c0, f0 = time.perf_counter(), time.thread_time(), _faults()
             self._stats["last_update_wait_s"] = t0 - u.arrived
-            # a PackedUpdate (rl360.weights.packing) loads itself in place, checked
-            packed = hasattr(u.state, "apply_to")
+            # a packed version (rl360.weights.packing) loads in place, checked
+            packed = isinstance(u.state, PackedUpdate)
             try:
-                u.state.apply_to(self.model) if packed else self._load_state(u.state)
+                if isinstance(u.state, PackedUpdate):
+                    apply_packed(u.state, self.model)
+                else:
+                    self._load_state(u.state.tensors)
             except Exception as exc:
                 self._settle(u.done, exc)
                 if packed:  # parameters may be partly written: end the loop, fail its rows

@@ -35,6 +35,9 @@ from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.vllm_worker import pack_state
 from rl360.types import Generation, SamplingParams
+from rl360.weights.payloads import TensorUpdate, WeightUpdate, refuse
+from rl360.weights.plan import update_checksums
+from rl360.weights.receiver import Intake, WeightChecksums
 
 log = logging.getLogger("rl360.engine.vllm")
 
@@ -181,12 +184,16 @@ class VLLMBackend:
         self._stats["busy_s"] += time.perf_counter() - t0
         return gen
 
-    async def update_weights(self, version: int, state: Any) -> bool:
+    def weight_intake(self) -> Intake:
+        return Intake()  # versions as tensors, loaded by the workers (vllm_worker)
+
+    async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        if not isinstance(update, TensorUpdate):
+            raise refuse("vllm", update, "tensor (name -> tensor)")
+        state = update.tensors
         engine = await self._ensure_started()
         assert self._update_lock is not None and self._open is not None
         assert self._drained is not None
-        if hasattr(state, "__await__") and not isinstance(state, dict):
-            state = await state  # a Ray ObjectRef
         async with self._update_lock:
             if version <= self._version:
                 log.warning(
@@ -213,6 +220,9 @@ class VLLMBackend:
             self._stats["updates"] += 1
             log.info("weights -> version %d in %.3fs", version, time.perf_counter() - t0)
             return True
+
+    async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
+        return await asyncio.to_thread(update_checksums, names, update)
 
     async def pause(self) -> None:
         await self._ensure_started()

@@ -16,6 +16,7 @@ from rl360.serve.engines.base import build_engine_backend
 from rl360.serve.engines.core_process import CoreDied, CoreProcessBackend
 from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
 from rl360.types import SamplingParams
+from rl360.weights.payloads import TensorUpdate
 
 PROMPTS = [[5, 6, 7], list(range(100, 140)), [9], [200, 201, 3, 4]]
 
@@ -42,7 +43,7 @@ async def in_process(tiny_dir, state=None):  # type: ignore[no-untyped-def]
     be = TorchBackend(engine(), ModelSection(path=str(tiny_dir)), model=lm[0], tokenizer=lm[1])
     try:
         if state is not None:
-            assert await be.update_weights(1, state)
+            assert await be.update_weights(1, TensorUpdate(state))
         return await asyncio.gather(*(be.generate(p, sampled(i)) for i, p in enumerate(PROMPTS)))
     finally:
         await be.close()
@@ -70,9 +71,9 @@ async def test_core_process_generates_what_the_engine_in_process_does(tiny_dir) 
         # a weight version goes through the replica's buffer: the same tokens as the engine
         # in process given the same version, and the version is reported
         state = changed_state(tiny_dir)
-        assert await be.update_weights(1, state)
+        assert await be.update_weights(1, TensorUpdate(state))
         assert be.version == 1
-        assert not await be.update_weights(1, state), "an equal version must be refused"
+        assert not await be.update_weights(1, TensorUpdate(state)), "an equal version must be refused"
         got = await asyncio.gather(*(be.generate(p, sampled(i)) for i, p in enumerate(PROMPTS)))
         want = await in_process(tiny_dir, state)
         assert [g.token_ids for g in got] == [g.token_ids for g in want]

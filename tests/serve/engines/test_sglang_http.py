@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from rl360.recipe import EngineSection, ModelSection
-from rl360.serve.engines.sglang_backend import CollectiveUpdate, SGLangBackend, engine_kwargs
+from rl360.serve.engines.sglang_backend import SGLangBackend, engine_kwargs
 from rl360.types import SamplingParams
+from rl360.weights.payloads import CollectiveUpdate
 from tests.serve.engines.fake_sglang import FakeSGLang
 
 

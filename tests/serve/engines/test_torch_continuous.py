@@ -14,6 +14,7 @@ from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
 from rl360.types import SamplingParams
+from rl360.weights.payloads import TensorUpdate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -175,7 +176,7 @@ async def test_inflight_update_tags_later_tokens_with_the_new_version(lm) -> Non
     new_state = {k: v + 0.2 * torch.randn_like(v) for k, v in model.state_dict().items()}
     run = asyncio.create_task(be.generate([1, 2, 3], sp))
     await until(lambda: be.health()["steps"] >= 90 + 5)  # 5 tokens into the second request
-    assert await be.update_weights(1, new_state)
+    assert await be.update_weights(1, TensorUpdate(new_state))
     assert not run.done(), "the update waited for the running sequence"
     gen = await run
     switch = gen.token_versions.index(1)
@@ -195,7 +196,7 @@ async def test_a_sequence_that_ran_across_a_swap_leaves_no_kv_in_the_prefix_cach
     new_state = {k: v + 0.2 * torch.randn_like(v) for k, v in model.state_dict().items()}
     run = asyncio.create_task(be.generate(prompt, sp))
     await until(lambda: be.health()["steps"] >= 5)
-    assert await be.update_weights(1, new_state)
+    assert await be.update_weights(1, TensorUpdate(new_state))
     assert not run.done() and set((await run).token_versions) == {0, 1}
     assert be.health()["prefix_entries"] == 0
     fresh_model, _ = load_causal_lm(str(lm[0].name_or_path), "float32")
@@ -218,7 +219,7 @@ async def test_drain_update_waits_for_running_sequences(lm) -> None:  # type: ig
                       model=model, tokenizer=tok)
     run = asyncio.create_task(be.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=60)))
     await until(lambda: be.health()["steps"] >= 3)
-    update = asyncio.create_task(be.update_weights(1, dict(model.state_dict())))
+    update = asyncio.create_task(be.update_weights(1, TensorUpdate(dict(model.state_dict()))))
     await until(lambda: be.health()["steps"] >= 6)
     late = asyncio.create_task(be.generate([4, 5], SamplingParams(temperature=0.0, max_tokens=3)))
     assert await update
@@ -236,26 +237,25 @@ def test_unsupported_model_type_is_refused_in_one_line() -> None:
         check_supported(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
 
 
-class _HeldUpdate:
-    """A packed-style update (`apply_to`) that records where it ran and holds the swap until
-    the test lets it go, so the test can act while the weights are changing."""
+class _HeldUpdate(dict):  # type: ignore[type-arg]
+    """A version's tensors that record the thread that reads them and hold the swap until the
+    test lets it go, so the test can act while the weights are changing."""
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         import threading
 
-        self.state = state
+        super().__init__(state)
         self.started, self.release = threading.Event(), threading.Event()
         self.thread = ""
 
-    def apply_to(self, model) -> None:  # type: ignore[no-untyped-def]
+    def __iter__(self):  # type: ignore[no-untyped-def]
         import threading
 
-        self.thread = threading.current_thread().name
-        self.started.set()
-        assert self.release.wait(60)
-        with torch.no_grad():
-            for k, v in model.state_dict().items():
-                v.copy_(self.state[k])
+        if not self.started.is_set():  # the swap's first look at the names
+            self.thread = threading.current_thread().name
+            self.started.set()
+            assert self.release.wait(60)
+        return super().__iter__()
 
 
 async def test_inflight_swap_runs_on_the_engine_thread_between_two_decode_steps(lm) -> None:  # type: ignore[no-untyped-def]
@@ -268,7 +268,7 @@ async def test_inflight_swap_runs_on_the_engine_thread_between_two_decode_steps(
     long = asyncio.create_task(be.generate([1, 2, 3], sp))
     await until(lambda: be.health()["steps"] >= 5)
     upd = _HeldUpdate({k: v + 0.2 * torch.randn_like(v) for k, v in model.state_dict().items()})
-    update = asyncio.create_task(be.update_weights(1, upd))
+    update = asyncio.create_task(be.update_weights(1, TensorUpdate(upd)))
     await until(upd.started.is_set)
     # weights are changing now; a new request arrives meanwhile
     late = asyncio.create_task(be.generate([4, 5], SamplingParams(temperature=0.0, max_tokens=3)))
@@ -312,7 +312,7 @@ async def test_step_changes_are_the_control_and_leave_out_the_step_after_a_swap(
     await until(lambda: be.health()["steps"] >= 4)
     upd = _HeldUpdate(dict(model.state_dict()))
     upd.release.set()
-    assert await be.update_weights(1, upd)
+    assert await be.update_weights(1, TensorUpdate(upd))
     gen = await run
     assert len(gen.token_ids) == n and len(be.sync_log) == 1 and 1 in gen.token_versions
     assert len(be.step_changes) == n - 3  # the step after the swap left out

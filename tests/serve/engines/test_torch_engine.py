@@ -10,6 +10,7 @@ import torch
 from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
 from rl360.types import SamplingParams
+from rl360.weights.payloads import TensorUpdate
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +115,14 @@ async def test_weight_updates_are_versioned_and_never_go_back(lm, caplog) -> Non
     slow = asyncio.create_task(be.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64)))
     base = be.health()["steps"]
     await until(lambda: be.health()["steps"] >= base + 2)
-    assert await be.update_weights(1, new_state)
+    assert await be.update_weights(1, TensorUpdate(new_state))
     during = await slow
     assert set(during.token_versions) == {0} and not during.mixed_versions
     after = await be.generate([1, 2, 3], sp)
     assert after.policy_version == 1 and set(after.token_versions) == {1}
     assert after.token_ids != before.token_ids or after.logprobs != before.logprobs
-    assert not await be.update_weights(1, new_state)
-    assert not await be.update_weights(0, new_state)
+    assert not await be.update_weights(1, TensorUpdate(new_state))
+    assert not await be.update_weights(0, TensorUpdate(new_state))
     assert "ignoring weight update to version 0" in caplog.text
     assert be.version == 1
 
@@ -129,7 +130,7 @@ async def test_weight_updates_are_versioned_and_never_go_back(lm, caplog) -> Non
 async def test_bad_weight_update_names_the_tensor(lm) -> None:  # type: ignore[no-untyped-def]
     be = make_backend(lm)
     with pytest.raises(ValueError, match="lacks"):
-        await be.update_weights(5, {"nope.weight": torch.zeros(2)})
+        await be.update_weights(5, TensorUpdate({"nope.weight": torch.zeros(2)}))
     assert be.version == 0
 
 

@@ -12,6 +12,7 @@ from rl360.recipe import EngineSection, ModelSection, ServeSection
 from rl360.serve.engines.torch_backend import TorchBackend, load_causal_lm
 from rl360.serve.sessions.openai_types import ChatCompletionRequest
 from rl360.serve.sessions.service import LocalEngineClient, SessionService
+from rl360.weights.payloads import TensorUpdate
 
 
 async def test_ledger_records_the_version_of_every_token_across_an_inflight_update(
@@ -29,7 +30,7 @@ async def test_ledger_records_the_version_of_every_token_across_an_inflight_upda
             break
         await asyncio.sleep(0.001)
     new = {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items()}
-    assert await be.update_weights(1, new)
+    assert await be.update_weights(1, TensorUpdate(new))
     await reply
     traj = svc.trajectory(s["id"], s["token"])
     gen = [v for v, m in zip(traj["versions"], traj["mask"], strict=True) if m]

@@ -1,0 +1,177 @@
+"""The sender: what a trainer rank holds to send its weights to the engines.
+
+Trainer rank 0 (rl360.actors.trainer_group.TrainerWorker) holds a `WeightSender` built over two
+views of its trainer's weights, and the transports (rl360.weights.transports) drive it through
+the rank's one remote method, `weights(call)`, with a `SenderCall`:
+
+- object store: `Pack` puts a version into the object store, or into a weight slot, as one
+  packed object and announces it to the publisher (rl360.weights.packing, .slots);
+- gloo collective: `Spec`, `OpenGroup`, then `Send` per version (rl360.weights.gloo);
+- GPU collective: `GpuUuid`, `OpenGroup` with a group name and `Send` with buckets (NCCL), or
+  `Ipc` / `ReleaseIpc` when the engines share the sender's GPU (rl360.weights.nccl);
+- the checksum option: `Checksums` of what the sender sent.
+
+A bench or a test stands in for a trainer rank by holding a WeightSender over a state dict.
+`sender_env` is the environment the sender's process starts with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from rl360.recipe import ObjectStoreSync, WeightSync
+from rl360.weights.gloo import GlooGroup, tensor_spec
+from rl360.weights.nccl import GroupSender, gpu_uuid
+from rl360.weights.packing import WeightPacker, make_sender, put_packet
+from rl360.weights.slots import SlotWriter, writer_env, writes_slots
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+State = Callable[[], Mapping[str, "Tensor"]]
+
+
+class Pack(msgspec.Struct, tag="pack"):
+    """Put `version` into the object store (or a weight slot) and announce it to `publisher`
+    (the WeightPublisher handle; None: only put it). `packer`: the transport's settings, the
+    first call's kept (rl360.weights.packing.make_sender)."""
+
+    version: int
+    packer: dict[str, Any]
+    publisher: Any = None
+
+
+class Spec(msgspec.Struct, tag="spec"):
+    """The (name, shape, dtype) of every tensor sent, in order."""
+
+
+class OpenGroup(msgspec.Struct, tag="open_group"):
+    """Join a collective group as its rank 0: gloo with flat per-dtype buffers when
+    `group_name` is empty, else a named group (NCCL, or gloo with a planned layout)."""
+
+    host: str
+    port: int
+    world: int
+    backend: str = "gloo"
+    group_name: str = ""
+
+
+class Send(msgspec.Struct, tag="send"):
+    """Broadcast the weights to the group: all at once (gloo) or by `buckets` (named group)."""
+
+    buckets: list[Any] | None = None
+    layout: str = "flat"
+
+
+class GpuUuid(msgspec.Struct, tag="gpu_uuid"):
+    """The sender's GPU ("" without one)."""
+
+
+class Ipc(msgspec.Struct, tag="ipc"):
+    """The weights on the sender's GPU as CUDA IPC handles, once per tensor-parallel rank."""
+
+    ranks: int
+
+
+class ReleaseIpc(msgspec.Struct, tag="release_ipc"):
+    """Every engine copied the shared tensors: let them go."""
+
+
+class Checksums(msgspec.Struct, tag="checksums"):
+    """The sender's checksums, per name up to `limits[name]` elements, cast to `dtype`."""
+
+    limits: dict[str, int | None]
+    dtype: str | None
+
+
+SenderCall = Pack | Spec | OpenGroup | Send | GpuUuid | Ipc | ReleaseIpc | Checksums
+
+
+class WeightSender:
+    """A trainer rank's end of weight sync.
+
+    `views()`: the weights under HF names, views allowed (whoever sends copies them once anyway:
+    into the object store, a weight slot or a socket). `snapshot()`: a copy safe to keep while
+    the trainer steps (the GPU paths, the spec and the checksums); `views` when not given."""
+
+    def __init__(self, views: State, snapshot: State | None = None) -> None:
+        self.views = views
+        self.snapshot = snapshot or views
+        self._packer: WeightPacker | None = None
+        self._slots: SlotWriter | None = None
+        self._gloo: GlooGroup | None = None
+        self._group: GroupSender | None = None
+
+    def handle(self, call: SenderCall) -> Any:
+        """Run one call (what the rank's remote `weights` method does)."""
+        match call:
+            case Pack(version, packer, publisher):
+                return self.pack(version, packer, publisher)
+            case Spec():
+                return self.spec()
+            case OpenGroup(host, port, world, backend, group_name):
+                return self.open_group(host, port, world, backend, group_name)
+            case Send(buckets, layout):
+                return self.send(buckets, layout)
+            case GpuUuid():
+                return gpu_uuid()
+            case Ipc(ranks):
+                return self.group().ipc_payload(ranks)
+            case ReleaseIpc():
+                return self.group().release_ipc()
+            case Checksums(limits, dtype):
+                return self.group().checksums(limits, dtype)
+        raise TypeError(f"not a weight sender call: {call!r}")
+
+    def pack(self, version: int, packer: dict[str, Any], publisher: Any = None
+             ) -> dict[str, Any]:
+        """Put `version` into the object store as one packed object, full or a delta against
+        the version before, and publish it to `publisher` when given; returns its metadata.
+        `packer`: WeightPacker's settings and "slots" (the first call's are kept; full
+        versions served in place go through weight slots)."""
+        if self._packer is None:
+            self._packer, self._slots = make_sender(packer)
+        state = self.views()
+        meta = put_packet(self._packer.pack(version, state), publisher, self._slots)
+        if publisher is not None and not meta["published"] and meta.get("kind") == "delta":
+            # the publisher lost the chain the delta extends (it restarted): send it full
+            meta = put_packet(self._packer.repack_full(version, state), publisher)
+        return meta
+
+    def spec(self) -> list[tuple[str, list[int], str]]:
+        return tensor_spec(dict(self.snapshot()))
+
+    def open_group(self, host: str, port: int, world: int, backend: str = "gloo",
+                   group_name: str = "") -> None:
+        if not group_name:  # the CPU path: one gloo group, flat per-dtype buffers
+            self._gloo = GlooGroup(host, port, 0, world)
+            return
+        self.group().open(host, port, world, backend, group_name)
+
+    def send(self, buckets: list[Any] | None = None, layout: str = "flat") -> int:
+        """Broadcast the weights to the group's engines; returns the bytes sent."""
+        if buckets is None:
+            if self._gloo is None:
+                raise RuntimeError("send before open_group: the gloo group is not formed")
+            state = dict(self.views())
+            self._gloo.send(state)
+            return sum(v.numel() * v.element_size() for v in state.values())
+        return self.group().send(buckets, layout)
+
+    def group(self) -> GroupSender:
+        """The named group's sender (NCCL, CUDA IPC, checksums), made at first use."""
+        if self._group is None:
+            self._group = GroupSender(lambda: dict(self.snapshot()))
+        return self._group
+
+
+def sender_env(sync: WeightSync, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Environment variables for the process that sends weights by `sync` (trainer rank 0):
+    when it writes weight slots, its large copies use streaming stores (slots.writer_env)."""
+    writes = isinstance(sync, ObjectStoreSync) and writes_slots(sync.slots, sync.zero_copy,
+                                                                sync.delta)
+    return writer_env(environ) if writes else {}
