@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 import time
@@ -32,11 +31,20 @@ from rl360.actors.metrics import MetricsSink, parked_run
 from rl360.actors.reward_stats import TaskRewards, first_values, with_deltas
 from rl360.actors.run_ledger import RunLedger
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
+from rl360.envs.task_check import check_tasks
 from rl360.launch.faults import faults_after, inject
 from rl360.launch.roles import Placement
 from rl360.launch.stack import Stack, running_stack
 from rl360.launch.startup import StartupClock
 from rl360.launch.step_log import TrainEval, TrajectoryLog, load_eval_tasks
+from rl360.launch.step_row import (
+    TRAINER_OPTIONAL,
+    StepRow,
+    engine_delta,
+    engine_idle,
+    engine_maxima,
+    sync_detail,
+)
 from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
@@ -123,6 +131,11 @@ def run_train(recipe: Recipe, resume: bool = False) -> int:
     if problems := support_problems(recipe):
         for p in problems:
             print(f"rl360 train: {p}", file=sys.stderr)
+        return 2
+    try:  # tasks no env actor could set up fail here, before the warm start and Ray
+        check_tasks(recipe.train.tasks, recipe.env, recipe.train.task_limit)
+    except ValueError as exc:
+        print(f"rl360 train: {exc}", file=sys.stderr)
         return 2
     try:
         run = TrainRun(recipe, resume)
@@ -313,72 +326,48 @@ class TrainRun:
             t_status = time.monotonic() - t_status0
             latest.update(stats)
             engines = wstat.get("engines", {})
-            engine_idle = _engine_idle(engines, last_engine)
-            engine_busy = _engine_delta(engines, last_engine, "busy_s")
-            shared = _engine_delta(engines, last_engine, "prefills_shared", total=True)
+            idle = engine_idle(engines, last_engine)
+            busy = engine_delta(engines, last_engine, "busy_s")
+            shared = engine_delta(engines, last_engine, "prefills_shared", total=True)
             last_engine = engines
-            trained_tokens = batch.loss_tokens
-            assert self.sink is not None
-            self.sink.log(with_deltas({
-                "step": step, "policy_version": self.version, "reward_mean": stats["reward_mean"],
-                "pass_rate": stats["pass_rate"], "episodes": stats["episodes"],
-                # every task seen so far counted once, at its latest group's mean reward (a
-                # parked task at its last one): the batch's task mix does not move it
-                "task_reward_mean": latest.mean(), "tasks_seen": len(latest.by_task),
-                "tasks_parked": cstat.get("tasks_parked", 0),
-                # the episodes finished since the previous step (the step's own figures are
-                # those of the batch it trained: TrajectoryBuffer.take_recent_stats)
-                "episodes_finished": stats["episodes_finished"],
-                "loss": m.get("loss"), "grad_norm": m.get("grad_norm"), "entropy": m.get("entropy"),
-                "trainer_step_s": m.get("step_time_s"),
-                "kl": m.get("kl"), "clip_frac": m.get("clip_frac"),
-                "tis_mismatch": m.get("mismatch_abs_mean", m.get("logp_mismatch_mean")),
-                "staleness_mean": st_mean, "staleness_max": st_max, "staleness_hist": hist,
-                "trainer_idle_frac": t_wait / step_s if step_s else 0.0,
-                "engine_idle_frac": engine_idle,
-                # torch engine: requests whose prompt another request of the same admission
-                # had (a group's members): prefilled once, K/V copied
-                "engine_prefills_shared": shared,
-                # torch engine, in-flight updates: the longest token gap of a running sequence
-                # across a weight swap so far, and the swap / decode step it compares with
-                **_engine_max(engines, ("sync_pause_max_s", "sync_pause_excess_max_s",
-                                       "sync_pause_over_budget_max_s", "last_swap_s",
-                                       "step_median_s", "step_change_max_s", "step_change_p95_s",
-                                       "sync_over_median_s", "sync_over_max_s")),
-                "gen_tokens_per_s": stats["generated_tokens"] / step_s if step_s else 0.0,
-                "train_tokens_per_s": trained_tokens / t_train if t_train else 0.0,
-                "sync_s": sync_s, "step_s": step_s, "wait_s": t_wait, "train_s": t_train,
-                # object store: the sender's write of the last version, and whether it went
-                # through a weight slot (1) or a fresh object-store object (0)
-                **_sync_detail(getattr(transport, "last", {}) if sync_s else {}),
-                # seconds since this process started the run (Ray, Serve, actors, steps): the
-                # x axis of `rl360 plot --x time`; a --resume starts it again from 0
-                "elapsed_s": time.monotonic() - self.t_start,
-                # where the step's wall time went (the env actors' per-episode phases come
-                # from the buffer as time/episode/*; bench/step_breakdown.py adds CPU time)
-                "time/rollout_wait_s": t_wait, "time/train_s": t_train, "time/sync_s": sync_s,
-                "time/bookkeeping_s": step_s - t_wait - t_train - sync_s,
-                # of which: the trajectory log + eval start, and the buffer / controller /
-                # publisher status calls (each waits for its actor's loop)
-                "time/log_s": t_status0 - t_log0, "time/status_s": t_status,
-                "time/engine_busy_s": engine_busy,
-                "samples": len(batch.members),
-                "is_ess_frac": m.get("is_ess_frac"), "sampler_kl": m.get("sampler_kl"),
-                "tis_capped_frac": m.get("tis_capped_frac"),
-                # trainer.loss.seq_mask: the share of loss tokens in masked sequences
-                # and trainer.loss.behaviour_clip: the share of loss tokens it zeroed
-                **{k: m[k] for k in ("seq_masked_frac", "seq_log_ratio_abs_max",
-                                     "behaviour_clip_frac") if k in m},
-                "optimizer_steps": m.get("optimizer_steps"),
-                "in_flight_episodes": cstat["in_flight_episodes"],
+            families = {
                 **{k: v for k, v in stats.items() if k.startswith("count/")},
                 **{k: v for k, v in cstat.items() if k.startswith("count/")},
-                # per domain / task / component, group outcomes, masked counts (reward_stats)
-                "infra_rate": stats.get("infra_rate"), "tokens": stats.get("tokens"),
                 **{k: v for k, v in stats.items() if "/" in k and not k.startswith("count/")},
                 **self.evaluator.poll(),
                 **(startup if step == self.step0 + 1 else {}),
-            }, self.first_domain))
+            }
+            row = StepRow(
+                step=step, policy_version=self.version, reward_mean=stats["reward_mean"],
+                pass_rate=stats["pass_rate"], episodes=stats["episodes"],
+                task_reward_mean=latest.mean(), tasks_seen=len(latest.by_task),
+                tasks_parked=cstat.get("tasks_parked", 0),
+                episodes_finished=stats["episodes_finished"],
+                loss=m.get("loss"), grad_norm=m.get("grad_norm"), entropy=m.get("entropy"),
+                trainer_step_s=m.get("step_time_s"), kl=m.get("kl"), clip_frac=m.get("clip_frac"),
+                tis_mismatch=m.get("mismatch_abs_mean", m.get("logp_mismatch_mean")),
+                staleness_mean=st_mean, staleness_max=st_max, staleness_hist=hist,
+                trainer_idle_frac=t_wait / step_s if step_s else 0.0,
+                engine_idle_frac=idle, engine_prefills_shared=shared,
+                **engine_maxima(engines),
+                gen_tokens_per_s=stats["generated_tokens"] / step_s if step_s else 0.0,
+                train_tokens_per_s=batch.loss_tokens / t_train if t_train else 0.0,
+                sync_s=sync_s, step_s=step_s, wait_s=t_wait, train_s=t_train,
+                **sync_detail(getattr(transport, "last", {}) if sync_s else {}),
+                elapsed_s=time.monotonic() - self.t_start,
+                time_rollout_wait_s=t_wait, time_train_s=t_train, time_sync_s=sync_s,
+                time_bookkeeping_s=step_s - t_wait - t_train - sync_s,
+                time_log_s=t_status0 - t_log0, time_status_s=t_status,
+                time_engine_busy_s=busy,
+                samples=len(batch.members), is_ess_frac=m.get("is_ess_frac"),
+                sampler_kl=m.get("sampler_kl"), tis_capped_frac=m.get("tis_capped_frac"),
+                **{k: m[k] for k in TRAINER_OPTIONAL if k in m},
+                optimizer_steps=m.get("optimizer_steps"),
+                in_flight_episodes=cstat["in_flight_episodes"],
+                infra_rate=stats.get("infra_rate"), tokens=stats.get("tokens"),
+                families=families)
+            assert self.sink is not None
+            self.sink.log(with_deltas(row.metrics(), self.first_domain))
             out_of_time = (self.deadline is not None and time.monotonic() >= self.deadline
                            and step < tr.steps)
             if out_of_time:
@@ -421,46 +410,6 @@ class TrainRun:
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
                                actors.controller, self.recipe.train.keep_checkpoints, self.ledger)
-
-
-def _engine_max(engines: dict[str, dict[str, Any]], keys: tuple[str, ...]) -> dict[str, float]:
-    """`engine_<key>`: the largest value over the replicas that report `key`."""
-    out = {}
-    for k in keys:
-        vals = [h[k] for h in engines.values()
-                if isinstance(h.get(k), int | float) and math.isfinite(h[k])]
-        if vals:
-            out[f"engine_{k}"] = float(max(vals))
-    return out
-
-
-def _sync_detail(last: dict[str, Any]) -> dict[str, float]:
-    if "put_s" not in last:
-        return {}
-    return {"sync_put_s": float(last["put_s"]), "sync_slot": 1.0 if last.get("slot") else 0.0}
-
-
-def _engine_idle(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> float:
-    fracs = []
-    for rep, h in now.items():
-        b = before.get(rep)
-        if b is None or "busy_s" not in h or "uptime_s" not in h:
-            continue
-        dt = h["uptime_s"] - b["uptime_s"]
-        if dt > 0:
-            fracs.append(1.0 - min(1.0, (h["busy_s"] - b["busy_s"]) / dt))
-    return sum(fracs) / len(fracs) if fracs else float("nan")
-
-
-def _engine_delta(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]], key: str,
-                  total: bool = False) -> float:
-    """How much an engine counter (`busy_s`: seconds in model steps) grew since the last step:
-    the mean per replica, or with `total` the sum over them."""
-    grew = [h[key] - before[rep][key] for rep, h in now.items()
-            if rep in before and key in h and key in before[rep]]
-    if not grew:
-        return float("nan")
-    return sum(grew) if total else sum(grew) / len(grew)
 
 
 def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, controller: Any,
