@@ -30,10 +30,10 @@ family = "{family}"
 split = "{split}"
 
 [agent]
-timeout_sec = 120.0
+timeout_sec = 900.0
 
 [verifier]
-timeout_sec = 30.0
+timeout_sec = 60.0
 
 [environment]
 cpus = 1
