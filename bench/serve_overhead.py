@@ -182,7 +182,7 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float]) -> dict[str, 
             title = " ".join(cmdline[:1]) or proc.name()
         except psutil.Error:
             title, cmdline = "?", []
-        if "rl360.serve.engines.core_process" in cmdline:
+        if "rl360.serve.engines.core_child" in cmdline:
             title = "engine core process"
         elif pid == os.getpid():
             title = "bench (client)"

@@ -164,7 +164,7 @@ class ServeEngineClient:
     async def _call(self, method: str, route_key: str | None, *args: Any) -> Any:
         if self.channels is not None and route_key:
             if self._direct is None:
-                from rl360.serve.engines.core_process import CoreChannels
+                from rl360.serve.engines.core_client import CoreChannels
 
                 self._direct = CoreChannels(self.channels)
             picked = await self._direct.pick(route_key)

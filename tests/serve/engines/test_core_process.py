@@ -162,7 +162,8 @@ def test_the_core_exits_when_its_replica_process_dies(tiny_dir) -> None:  # type
 
 
 async def test_shards_reach_the_core_over_its_channel(tiny_dir) -> None:  # type: ignore[no-untyped-def]
-    from rl360.serve.engines.core_process import CoreChannels, CoreConnection, Update
+    from rl360.serve.engines.core_client import CoreChannels, CoreConnection
+    from rl360.serve.engines.core_wire import Update
     from rl360.serve.engines.replica import _over_channel
     from rl360.serve.engines.routing import rank_replicas
 
