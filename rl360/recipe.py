@@ -47,7 +47,7 @@ class RaySection(_S):
 
 class ModelSection(_S):
     path: str = "tiny"  # "tiny" | "smollm2" | an HF directory
-    chat_template: str = "auto"  # "auto" | "chatml_tools" | path to a .jinja file
+    chat_template: str = "auto"  # "auto" | "chatml_tools" | "smollm2_tools" | a .jinja file
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: Annotated[int, Meta(ge=16)] = 2048
     # the HF model_type (llama, qwen2, qwen3, qwen3_moe, ...): "auto" reads path/config.json.
@@ -239,12 +239,17 @@ class EvalSection(_S):
     attempts: PosInt = 8
     concurrency: PosInt = 16
     limit: NonNegInt = 0  # 0 = all tasks
+    per_domain: NonNegInt = 0  # > 0: the first this many tasks of each domain (family)
     out: str = ""  # default: <run.out_dir>/<run.name>/eval.jsonl
     # `rl360 eval --calibrate` keeps the tasks whose pass rate over `attempts` attempts lies in
     # [band_low, band_high] and writes their full records (usable as train.tasks)
     band_low: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.2
     band_high: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.4
     calibrated_out: str = ""  # default: <run.out_dir>/<run.name>/calibrated_tasks.jsonl
+    # "task": keep each task whose own pass rate is in the band; "domain": keep every task
+    # of `eval.tasks` (per_domain and limit aside) whose domain's pooled pass rate is in the
+    # band (few attempts per task cannot place a task, a family's dozens can)
+    calibrate_by: Literal["task", "domain"] = "task"
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
 
     def __post_init__(self) -> None:
@@ -549,6 +554,16 @@ class Recipe(_S):
             raise ValueError("train.weight_sync.delta = true needs engines that load weights in "
                              "place; engine.core_process = true loads whole versions (set one "
                              "of them to false)")
+        sync = self.train.weight_sync
+        if self.trainer.lora is not None and getattr(sync, "delta", False):
+            raise ValueError("train.weight_sync.delta = true: with trainer.lora a version is the "
+                             "adapter alone, sent whole (set delta = false)")
+        if self.trainer.lora is not None and isinstance(sync, CollectiveSync) and (
+                sync.backend != "gloo" or sync.layout != "auto"):
+            raise ValueError("train.weight_sync: adapter versions (trainer.lora) go through "
+                             "transport 'object_store', or 'collective' with backend 'gloo' and "
+                             f"layout 'auto' (got backend {sync.backend!r}, layout "
+                             f"{sync.layout!r})")
         loss, staleness = self.trainer.loss, self.train.max_staleness
         if staleness > 0 and (loss.name == "reinforce" or loss.tis_cap == 0):
             raise ValueError(

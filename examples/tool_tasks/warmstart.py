@@ -2,13 +2,15 @@
 "examples/tool_tasks/warmstart.py:format_chats"`).
 
 The released SmolLM2-135M-Instruct writes no tool call in this setting (its calibration on the
-tool tasks scores 0), so GRPO would get no signal. These chats teach only the call format and
-the turn shape: a user asks for a plain shell job, the assistant calls `bash` with one command,
-reads the result, and ends with a one-line answer and no call. The jobs are deliberately NOT
-the task families' (no counting, searching, running scripts, moving or editing files: no wc,
-grep, cut, mv, sed or python scripts), and the file names come from their own pool, so no
-task instance, train or held-out, appears in them; `tests/envs/test_tool_tasks.py` checks that.
-The system prompt and the tool list are the ones the recipe's env sends.
+tool tasks scores 0), so GRPO would get no signal. These chats teach the call format and the
+turn shape: a user asks for a plain shell job, the assistant calls `bash`, reads the result
+(acting on it in a second call where the job needs that: save a command's output to a file,
+write down what a command printed), and ends with a one-line answer and no call. The jobs are
+deliberately NOT the task families' (no counting, searching, running scripts, renaming,
+moving, copying or editing files: no wc, grep, cut, mv, cp, rm, sed or python scripts), and the
+file names come from their own pool, so no task instance, train or held-out, appears in them;
+`tests/envs/test_tool_tasks.py` checks that. The system prompt and the tool list are the ones
+the recipe's env sends.
 """
 
 from __future__ import annotations
@@ -99,14 +101,44 @@ def _head(rng: random.Random) -> Job:
             f"Those are the first {n} lines of {f}.")
 
 
-def _rm(rng: random.Random) -> Job:
+def _save_ls(rng: random.Random) -> Job:
     f = rng.choice(NAMES)
-    return (f"Delete the file {f}.", [(f"rm {f}", _out())], f"Deleted {f}.")
+    return (f"Save the list of files in the work dir to {f}.", [(f"ls > {f}", _out())],
+            f"Saved the file list to {f}.")
 
 
-def _cp(rng: random.Random) -> Job:
+def _save_date(rng: random.Random) -> Job:
+    f = rng.choice(NAMES)
+    return (f"Save the current date and time to {f}.", [(f"date > {f}", _out())],
+            f"Saved the date to {f}.")
+
+
+def _save_head(rng: random.Random) -> Job:
     a, b = rng.sample(NAMES, 2)
-    return (f"Make a copy of {a} named {b}.", [(f"cp {a} {b}", _out())], f"Copied {a} to {b}.")
+    n = rng.randint(1, 5)
+    return (f"Save the first {n} lines of {a} to {b}.", [(f"head -n {n} {a} > {b}", _out())],
+            f"Saved the first {n} lines of {a} to {b}.")
+
+
+def _pwd_write(rng: random.Random) -> Job:
+    f = rng.choice(NAMES)
+    return (f"Find out which directory you are in and write its path to {f}.",
+            [("pwd", _out(WORKDIR)), (f"echo {WORKDIR} > {f}", _out())],
+            f"Wrote {WORKDIR} to {f}.")
+
+
+def _whoami_write(rng: random.Random) -> Job:
+    f, user = rng.choice(NAMES), rng.choice(["nobody", "agent", "runner", "worker"])
+    return (f"Find out which user you are and write the user name to {f}.",
+            [("whoami", _out(user)), (f"echo {user} > {f}", _out())], f"Wrote {user} to {f}.")
+
+
+def _cat_then_write(rng: random.Random) -> Job:
+    a, b = rng.sample(NAMES, 2)
+    word = rng.choice(WORDS)
+    return (f"{a} holds one word. Write that word, in upper case, to {b}.",
+            [(f"cat {a}", _out(word)), (f"echo {word.upper()} > {b}", _out())],
+            f"Wrote {word.upper()} to {b}.")
 
 
 def _date(rng: random.Random) -> Job:
@@ -137,8 +169,8 @@ def _mkdir_ls(rng: random.Random) -> Job:
 
 
 JOBS: list[Callable[[random.Random], Job]] = [
-    _ls, _pwd, _mkdir, _touch, _echo, _write, _cat, _head, _rm, _cp, _date, _python_version,
-    _missing, _mkdir_ls,
+    _ls, _pwd, _mkdir, _touch, _echo, _write, _cat, _head, _date, _python_version, _missing,
+    _mkdir_ls, _save_ls, _save_date, _save_head, _pwd_write, _whoami_write, _cat_then_write,
 ]
 
 

@@ -32,11 +32,23 @@ from rl360.recipe import Recipe
 from rl360.types import Task, Trajectory
 
 
-def load_tasks(recipe: Recipe) -> list[Task]:
-
+def load_tasks(recipe: Recipe, everything: bool = False) -> list[Task]:
+    """The tasks of `eval.tasks`: the first `eval.per_domain` of each domain, then the first
+    `eval.limit` (everything=True: all of them)."""
     tasks: list[Task] = []
     for path in recipe.eval.tasks:
         tasks.extend(iter_tasks(path))
+    if everything:
+        return tasks
+    if recipe.eval.per_domain:
+        seen: dict[str, int] = defaultdict(int)
+        kept = []
+        for t in tasks:
+            dom = str(t.data.get("domain", ""))
+            if seen[dom] < recipe.eval.per_domain:
+                seen[dom] += 1
+                kept.append(t)
+        tasks = kept
     if recipe.eval.limit:
         tasks = tasks[: recipe.eval.limit]
     return tasks
@@ -191,13 +203,23 @@ def task_record(task: Task) -> dict[str, Any]:
 def write_calibration(summary: dict[str, Any], tasks: list[Task], recipe: Recipe,
                       run_dir: Path) -> Path:
     """Keep the tasks whose pass rate (passes / scored attempts, out of eval.attempts) lies in
-    [eval.band_low, eval.band_high]: their full records go to a task file that works as
-    `train.tasks` as it is; calibration.json reports every task's rate. Returns the file."""
+    [eval.band_low, eval.band_high] (`eval.calibrate_by = "domain"`: every task of a domain
+    whose pooled rate does): their full records go to a task file that works as `train.tasks`
+    as it is; calibration.json reports every task's (and domain's) rate. Returns the file."""
     e = recipe.eval
     lo, hi = e.band_low, e.band_high
     rows = {r["task"]: r for r in summary["rows"]}
     report = []
     keep = []
+    pooled: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # passes, scored
+    for t in tasks:
+        r = rows.get(t.id)
+        if r and r["n"]:
+            dom = pooled[str(t.data.get("domain", ""))]
+            dom[0] += r["pass@1"] * r["n"]
+            dom[1] += r["n"]
+    domains = {d: (p / n if n else None) for d, (p, n) in pooled.items()}
+    kept_domains = {d for d, rate in domains.items() if rate is not None and lo <= rate <= hi}
     for t in tasks:
         r = rows.get(t.id)
         rate = r["pass@1"] if r and r["n"] else None
@@ -205,17 +227,26 @@ def write_calibration(summary: dict[str, Any], tasks: list[Task], recipe: Recipe
         report.append({"task": t.id, "kind": t.kind, "pass_rate": rate,
                        "scored": r["n"] if r else 0, "infra_errors": r["infra_errors"] if r else 0,
                        "kept": inside})
-        if inside:
+        if inside and e.calibrate_by == "task":
             keep.append(t)
+    if e.calibrate_by == "domain":
+        keep = [t for t in load_tasks(recipe, everything=True)
+                if str(t.data.get("domain", "")) in kept_domains]
     out = Path(e.calibrated_out) if e.calibrated_out else run_dir / "calibrated_tasks.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     (run_dir / "calibration.json").write_text(json.dumps(
         {"attempts": e.attempts, "band": [lo, hi], "kept": len(keep), "tasks": len(tasks),
-         "task_file": str(out), "rates": report}, indent=2))
+         "task_file": str(out), "by": e.calibrate_by, "domains": domains,
+         "kept_domains": sorted(kept_domains), "rates": report}, indent=2))
     with out.open("wb") as f:
         for t in keep:
             f.write(msgspec.json.encode(task_record(t)) + b"\n")
-    print(f"calibration: {len(keep)}/{len(tasks)} tasks with pass rate in [{lo}, {hi}] over "
-          f"{e.attempts} attempts -> {out} (use as train.tasks; every rate: "
-          f"{run_dir / 'calibration.json'})")
+    if e.calibrate_by == "domain":
+        rates = ", ".join(f"{d} {r:.3f}" for d, r in sorted(domains.items()) if r is not None)
+        print(f"calibration by domain: {rates}; kept {sorted(kept_domains)} (pass rate in "
+              f"[{lo}, {hi}] over {e.attempts} attempts): {len(keep)} tasks -> {out}")
+    else:
+        print(f"calibration: {len(keep)}/{len(tasks)} tasks with pass rate in [{lo}, {hi}] "
+              f"over {e.attempts} attempts -> {out} (use as train.tasks; every rate: "
+              f"{run_dir / 'calibration.json'})")
     return out

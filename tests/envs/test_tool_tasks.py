@@ -97,3 +97,18 @@ async def test_a_symlink_to_the_expected_values_scores_zero(bwrap_backend,
         await env.setup(task, sandbox)
         await sandbox.exec("ln -s /tests/expected.json answer.txt", timeout=10)
         assert (await env.verify()).value == 0.0
+
+
+def test_warm_start_chats_hold_no_family_job_or_task_file(generated: Path) -> None:
+    """The generic warm start teaches the call format only: none of its commands does a
+    family's job, and no file of any generated instance appears in it."""
+    chats = _module("warmstart").format_chats(2000, seed=0)
+    commands = [json.loads(tc["function"]["arguments"])["command"]
+                for c in chats for m in c["messages"] for tc in m.get("tool_calls") or ()]
+    family_tools = {"wc", "grep", "cut", "mv", "cp", "rm", "sed", "awk", "python", "python3"}
+    for cmd in commands:
+        words = cmd.replace(">", " ").replace("|", " ").split()
+        assert not family_tools & set(words) or cmd == "python3 --version", cmd
+    text = json.dumps(chats)
+    names = {p.name for p in generated.rglob("environment/files/*") if p.is_file()}
+    assert names and not [n for n in names if n in text]

@@ -72,3 +72,28 @@ def test_default_band_is_the_seed_s_and_both_ends_are_keys() -> None:
     assert (e.band_low, e.band_high) == (0.2, 0.4)
     with pytest.raises(Exception, match=r"eval: band_low \(0\.5\) must be <= band_high"):
         decode_recipe({"eval": {"band_low": 0.5, "band_high": 0.3}})
+
+
+def test_calibration_by_domain_keeps_every_task_of_a_family_inside_the_band(
+        tmp_path: Path) -> None:
+    """Few attempts per task cannot place a task, a family's pooled attempts can: with
+    calibrate_by = "domain" every task of eval.tasks whose family's rate is in the band goes to
+    the file, also those per_domain left out of the calibration run."""
+    from rl360.launch.eval_run import load_tasks
+
+    src = tmp_path / "tasks.jsonl"
+    src.write_text("".join(json.dumps({"id": f"{fam}-{i}", "prompt": "p", "family": fam,
+                                       "tests": ["assert True"]}) + "\n"
+                           for fam in ("easy", "some", "none") for i in range(5)))
+    recipe = decode_recipe({"eval": {"tasks": [str(src)], "band_low": 0.1, "band_high": 0.9,
+                                     "attempts": 2, "per_domain": 2, "calibrate_by": "domain"}})
+    tasks = load_tasks(recipe)
+    assert [t.id for t in tasks] == ["easy-0", "easy-1", "some-0", "some-1", "none-0", "none-1"]
+    outcome = {"easy": (1.0, 1.0), "some": (1.0, 0.0), "none": (0.0, 0.0)}
+    trajs = [traj(t.id, v) for t in tasks for v in outcome[t.data["domain"]]]
+    out = write_calibration(summarize(trajs, 2), tasks, recipe, tmp_path)
+    from rl360.envs.tasks import iter_tasks
+
+    assert [t.id for t in iter_tasks(out)] == [f"some-{i}" for i in range(5)]
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert report["kept_domains"] == ["some"] and report["domains"]["easy"] == 1.0
