@@ -24,6 +24,12 @@ import msgspec
 from rl360.policies.chat import ChatRenderer
 from rl360.recipe import ServeSection
 from rl360.serve.sessions.auth import same_secret
+from rl360.serve.sessions.bounds import (
+    RequestBounds,
+    refuse_control_fields,
+    seeded,
+    strip_stop_token,
+)
 from rl360.serve.sessions.ledger import LedgerError, PreparedTurn, SessionLedger
 from rl360.serve.sessions.openai_types import (
     ApiError,
@@ -110,9 +116,11 @@ class SessionService:
         self.sessions: dict[str, _Session] = {}
         self.events: Counter[str] = Counter()
         self.vocab_size = max(vocab_size, len(renderer.tokenizer))
-        # the longest text one token can stand for: a prompt with more characters than
-        # max_model_len * this cannot fit and is refused before it is rendered
-        self.max_token_chars = max((len(t) for t in renderer.tokenizer.get_vocab()), default=1)
+        self.bounds = RequestBounds(
+            max_model_len, self.vocab_size, config.default_max_tokens, renderer.eos_ids,
+            # the longest text one token can stand for: a prompt with more characters than
+            # max_model_len * this cannot fit and is refused before it is rendered
+            max((len(t) for t in renderer.tokenizer.get_vocab()), default=1))
         # chat templates run here, off the event loop (one at a time: tokenizers are not
         # safe to share across threads)
         self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="rl360-render")
@@ -233,7 +241,7 @@ class SessionService:
             except LedgerError as exc:
                 out[i] = self._refused(exc)
         items = [(c.prep.prompt_ids, sp) for _, c in ready
-                 for sp in _seeded(c.sampling, c.req.n)]
+                 for sp in seeded(c.sampling, c.req.n)]
         gens: list[Generation | BaseException] = []
         try:
             if len(ready) == 1:  # one session's turn: the engine's plain generate
@@ -264,11 +272,11 @@ class SessionService:
     ) -> _ChatCall:
         """Refuse what cannot run, capture the parent and render the prompt (TITO 17): all
         of a chat turn before its generation."""
-        _refuse_control_fields(req.input_ids, req.prompt_token_ids, req.n, self.config.max_n)
+        refuse_control_fields(req.input_ids, req.prompt_token_ids, req.n, self.config.max_n)
         if isinstance(req.tool_choice, dict) or req.tool_choice not in (None, "auto", "none"):
             raise LedgerError(400, "unsupported", "tool_choice must be 'auto' or 'none' here")
         messages = [m.to_message() for m in req.messages]
-        self._check_size(messages, req.tools)
+        self.bounds.check_size(messages, req.tools)
         if sid is None:  # sessionless call: an ephemeral ledger, nothing is kept
             session = None
             ledger = self._ledger("ephemeral")
@@ -278,8 +286,8 @@ class SessionService:
         # the parent is captured here (TITO 17); rendering runs off the event loop
         t0 = time.monotonic()
         prep = await self._off_loop(ledger.prepare, messages, req.tools)
-        sampling = self._sampling(
-            prep, req.temperature, req.top_p, req.top_k,
+        sampling = self.bounds.sampling(
+            len(prep.prompt_ids), req.temperature, req.top_p, req.top_k,
             req.max_completion_tokens or req.max_tokens, req.stop, req.stop_token_ids, req.seed,
             priority=req.priority,
         )
@@ -296,7 +304,7 @@ class SessionService:
         replies: list[tuple[Generation, Message]] = []
         malformed = 0
         for gen in gens:
-            text = self.renderer.decode(_strip_stop_token(gen))
+            text = self.renderer.decode(strip_stop_token(gen))
             if gen.stop_string and gen.stop_string in text:
                 text = text[: text.index(gen.stop_string)]
             if req.tool_choice == "none":
@@ -349,23 +357,22 @@ class SessionService:
     async def _complete(
         self, sid: str | None, token: str | None, req: CompletionRequest
     ) -> dict[str, Any]:
-        _refuse_control_fields(None, None, req.n, 1)
+        refuse_control_fields(None, None, req.n, 1)
         if isinstance(req.prompt, list):
             ids = list(req.prompt)
-            self._check_ids(ids, "prompt")
+            self.bounds.check_ids(ids, "prompt")
         else:
-            if len(req.prompt) > self.max_model_len * self.max_token_chars:
-                raise LedgerError(400, "context_length", "the prompt cannot fit this model's "
-                                  f"context of {self.max_model_len} tokens")
+            self.bounds.check_text(req.prompt)
             ids = await self._off_loop(self.renderer.encode, req.prompt)
         if not ids:
             raise LedgerError(400, "empty_prompt", "prompt must not be empty")
         session = self._get(sid, token) if sid is not None else None
         ledger = session.ledger if session is not None else self._ledger("ephemeral")
         prep = ledger.prepare_completion(ids)
-        sampling = self._sampling(prep, req.temperature, req.top_p, req.top_k,
-                                  req.max_tokens or 16, req.stop, req.stop_token_ids, req.seed,
-                                  eos=False, priority=req.priority)
+        sampling = self.bounds.sampling(len(prep.prompt_ids), req.temperature, req.top_p,
+                                        req.top_k, req.max_tokens or 16, req.stop,
+                                        req.stop_token_ids, req.seed, eos=False,
+                                        priority=req.priority)
         gen = await self._generate(ids, sampling, sid)
         text = self.renderer.decode(gen.token_ids)
         if gen.stop_string and gen.stop_string in text:
@@ -389,71 +396,15 @@ class SessionService:
 
     # ------------------------------------------------------------------ shared
 
-    def _sampling(
-        self, prep: PreparedTurn, temperature: float | None, top_p: float | None,
-        top_k: int | None, max_tokens: int | None, stop: str | list[str] | None,
-        stop_token_ids: list[int] | None, seed: int | None, eos: bool = True,
-        priority: int | None = None,
-    ) -> SamplingParams:
-        room = self.max_model_len - len(prep.prompt_ids)
-        if room <= 0:
-            raise LedgerError(400, "context_length", f"the prompt has {len(prep.prompt_ids)} "
-                              f"tokens; this model's context is {self.max_model_len}")
-        want = max_tokens if max_tokens is not None else self.config.default_max_tokens
-        if want < 1:
-            raise LedgerError(422, "bad_max_tokens", "max_tokens must be >= 1")
-        t = 1.0 if temperature is None else temperature
-        p = 1.0 if top_p is None else top_p
-        if not (0 <= t <= 100 and 0 < p <= 1):  # also refuses NaN and inf
-            raise LedgerError(422, "bad_sampling", "temperature must be in [0, 100] and top_p "
-                              "in (0, 1]")
-        if top_k is not None and not -1 <= top_k <= self.vocab_size:
-            raise LedgerError(422, "bad_sampling", "top_k must be -1, 0 or a count of tokens")
-        if seed is not None and not 0 <= seed < 2**63:
-            raise LedgerError(422, "bad_sampling", "seed must be in [0, 2**63)")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > 16 or any(len(x) > 1024 for x in stops):
-            raise LedgerError(400, "bad_stop", "at most 16 stop strings of up to 1024 characters")
-        self._check_ids(list(stop_token_ids or []), "stop_token_ids")
-        if priority is not None and not -2**31 <= priority < 2**31:
-            raise LedgerError(422, "bad_priority", "priority must be a 32-bit integer")
-        return SamplingParams(
-            temperature=t, top_p=p, top_k=top_k or 0, max_tokens=min(want, room),
-            stop=[s for s in stops if s], stop_token_ids=list(stop_token_ids or []), seed=seed,
-            eos_token_ids=self.renderer.eos_ids if eos else [],
-            priority=priority or 0,
-        )
-
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
-
-    def _check_ids(self, ids: list[int], what: str) -> None:
-        if len(ids) > self.max_model_len:
-            raise LedgerError(400, "context_length", f"{what} has {len(ids)} tokens; this "
-                              f"model's context is {self.max_model_len}")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise LedgerError(400, "bad_token_id", f"{what} holds token id {bad}, outside this "
-                              f"model's vocabulary [0, {self.vocab_size})")
-
-    def _check_size(self, messages: list[Message], tools: Any) -> None:
-        """Refuse, before rendering, a conversation whose text cannot fit the context."""
-        chars = len(msgspec.json.encode(tools)) if tools else 0
-        for m in messages:
-            chars += len(m.content or "") + len(m.role) + len(m.name or "")
-            chars += sum(len(tc.function.arguments) + len(tc.function.name)
-                         for tc in m.tool_calls or [])
-        if chars > self.max_model_len * self.max_token_chars:
-            raise LedgerError(400, "context_length", f"the conversation has {chars} characters"
-                              f"; it cannot fit this model's context of "
-                              f"{self.max_model_len} tokens")
 
     async def _generate_n(self, ids: list[int], sampling: SamplingParams, sid: str | None,
                           n: int) -> list[Generation]:
         if n == 1:
             return [await self._generate(ids, sampling, sid)]
         return list(await asyncio.gather(*(
-            self._generate(ids, sp, sid) for sp in _seeded(sampling, n))))
+            self._generate(ids, sp, sid) for sp in seeded(sampling, n))))
 
     async def _generate_many(self, items: list[tuple[list[int], SamplingParams]],
                              route_key: str | None) -> list[Generation | BaseException]:
@@ -476,25 +427,3 @@ class SessionService:
         except Exception as exc:
             log.exception("engine call failed")
             raise LedgerError(503, "engine_unavailable", f"engine call failed: {exc!r}") from None
-
-
-def _seeded(sampling: SamplingParams, n: int) -> list[SamplingParams]:
-    """The sampling of each of a request's n choices: seed, seed + 1, ... when it has one."""
-    if n == 1:
-        return [sampling]
-    return [msgspec.structs.replace(sampling, seed=None if sampling.seed is None
-                                    else sampling.seed + i) for i in range(n)]
-
-
-def _refuse_control_fields(input_ids: Any, prompt_token_ids: Any, n: int, max_n: int) -> None:
-    if input_ids is not None or prompt_token_ids is not None:
-        raise LedgerError(400, "client_token_ids", "input_ids / prompt_token_ids are not "
-                          "accepted: the session's ledger decides the prompt tokens")
-    if not 1 <= n <= max_n:
-        raise LedgerError(400, "unsupported", f"n must be between 1 and {max_n} here")
-
-
-def _strip_stop_token(gen: Generation) -> list[int]:
-    """The reply text excludes the EOS / stop token that ended it (the ledger keeps it)."""
-    ids = gen.token_ids
-    return ids[:-1] if ids and gen.stop_kind in ("eos", "stop_token") else ids
