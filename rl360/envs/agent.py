@@ -9,10 +9,15 @@ result goes back as a "tool" message.
 Statuses: ok (final answer), truncated (max turns, or the final answer hit the token limit),
 timeout (the episode's wall-clock budget ran out), error (the model's fault: too many
 consecutive failing tool calls; the sandbox died during a model-issued command; the verifier
-found no reward after the agent ran, `ModelFault`) are all scored (error: reward 0 when
+found no reward after the agent ran, `ModelFault`; the verifier overran or its sandbox failed
+after the agent ran commands there; a non-finite reward) are all scored (error: reward 0 when
 verification is impossible). infra_error (the sandbox could not start, the chat client raised
 or hung, the env crashed) is only what the model cannot cause; it carries no reward and must
 never be scored as 0.
+
+Rewards are bounded: the env's `reward_range(task)` (the task's declared range, default [0, 1])
+clamps the verified reward; a clamp is counted (`reward_clamped`). An agent function's reward is
+clamped to the task's range the same way.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import Any, Protocol
 
 import msgspec
 
-from rl360.envs.api import Env, ModelFault
+from rl360.envs.api import Env, EnvStart, ModelFault
 from rl360.envs.sandbox import Sandbox, SandboxError
 from rl360.envs.tools import clip
 from rl360.recipe import EnvSection
+from rl360.rewards.bounds import NonFiniteReward, RewardRange, bound_reward, task_range
 from rl360.types import EpisodeStatus, Message, Reward, Task, ToolSpec
 
 
@@ -179,26 +185,66 @@ async def run_episode(
             break
     timings["rollout_s"] = time.monotonic() - t0 - timings["setup_s"]
 
-    verify_limit = min(cfg.verify_timeout_s, start.verify_timeout_s or math.inf)
+    acted = counters["tool_calls"] > 0
     t1 = time.monotonic()
+    failed, reward = await verify_scored(env, task, start, cfg, counters, acted, verify_cache)
+    if failed is not None:
+        return done(*failed, reward)
+    timings["verify_s"] = time.monotonic() - t1
+    return done(status, reason, reward)
+
+
+async def verify_scored(
+    env: Env, task: Task, start: EnvStart, cfg: EnvSection, counters: dict[str, int],
+    acted: bool, verify_cache: MutableMapping[str, Reward] | None = None,
+) -> tuple[tuple[EpisodeStatus, str] | None, Reward | None]:
+    """`env.verify()` with every failure class, for any harness that ran an agent (this loop,
+    the agent worker): (None, reward bounded to `env.reward_range(task)`) when it verified,
+    else ((status, reason), reward or None). `acted`: the agent ran commands in the sandbox, so
+    a verifier that overruns or a sandbox that fails during verification may be its doing:
+    scored (error, reward 0), never an unscored infra_error."""
+    verify_limit = min(cfg.verify_timeout_s, start.verify_timeout_s or math.inf)
+    env.verify_limit_s = verify_limit
     key = env.verify_key() if verify_cache is not None else None
+    limit = verify_limit + env.verify_overhead_s
     try:
-        reward, shared = await _shared_verify(env, verify_cache, key, verify_limit + 5.0)
+        reward, shared = await _shared_verify(env, verify_cache, key, limit)
         if reward is None:
-            reward = await asyncio.wait_for(env.verify(), verify_limit + 5.0)
+            reward = await asyncio.wait_for(env.verify(), limit)
         elif shared:
             counters["verify_cached"] = 1
     except asyncio.CancelledError:
         raise
     except TimeoutError:
-        return done("infra_error", f"verifier exceeded {verify_limit:g}s")
+        why = f"verifier exceeded {verify_limit:g}s"
+        if acted:
+            return ("error", why), Reward(value=0.0, components={"verifier_overrun": 1.0})
+        return ("infra_error", why), None
     except ModelFault as e:
-        reward = Reward(value=0.0, components={"verifier_no_reward": 1.0})
-        return done("error", f"verifier: {_why(e)}", reward)
+        return ("error", f"verifier: {_why(e)}"), Reward(
+            value=0.0, components={"verifier_no_reward": 1.0})
+    except SandboxError as e:
+        if acted:
+            return ("error", f"sandbox failed during verification: {_why(e)}"), Reward(
+                value=0.0, components={"sandbox_died": 1.0})
+        return ("infra_error", f"verifier failed: {_why(e)}"), None
     except Exception as e:
-        return done("infra_error", f"verifier failed: {_why(e)}")
-    timings["verify_s"] = time.monotonic() - t1
-    return done(status, reason, reward)
+        return ("infra_error", f"verifier failed: {_why(e)}"), None
+    try:
+        return None, bounded(reward, env.reward_range(task), counters)
+    except NonFiniteReward as e:
+        return ("error", f"verifier: {e}"), Reward(value=0.0, components={"non_finite": 1.0})
+    except ValueError as e:  # the task's reward_range is malformed
+        return ("infra_error", str(e)), None
+
+
+def bounded(reward: Reward, rng: RewardRange, counters: dict[str, int]) -> Reward:
+    """`reward` clamped to `rng` (counted in `counters["reward_clamped"]`, also when the
+    verifier clamped it already); NonFiniteReward for NaN or an infinity."""
+    reward, clamped = bound_reward(reward, rng)
+    if clamped or reward.components.get("reward_clamped"):
+        counters["reward_clamped"] = 1
+    return reward
 
 
 async def _shared_verify(env: Env, cache: MutableMapping[str, Any] | None, key: str | None,
@@ -267,9 +313,17 @@ async def run_agent_fn(
         return EpisodeResult(
             "infra_error", reason=f"agent function returned {type(reward).__name__}, not a Reward"
         )
-    return EpisodeResult(
-        "ok", reward, "agent function returned", timings={"total_s": time.monotonic() - t0}
-    )
+    counters: dict[str, int] = {}
+    timings = {"total_s": time.monotonic() - t0}
+    try:
+        reward = bounded(reward, task_range(task), counters)
+    except NonFiniteReward as e:
+        return EpisodeResult("error", Reward(value=0.0, components={"non_finite": 1.0}),
+                             f"agent function: {e}", timings=timings)
+    except ValueError as e:
+        return EpisodeResult("infra_error", reason=str(e), timings=timings)
+    return EpisodeResult("ok", reward, "agent function returned", counters=counters,
+                         timings=timings)
 
 
 # ----------------------------------------------------------------------------- test double

@@ -23,6 +23,7 @@ import msgspec
 
 from rl360.envs.sandbox import Sandbox, SandboxLimits, build_sandbox, unavailable_reason
 from rl360.envs.sandbox.factory import UNSANDBOXED_HINT
+from rl360.rewards.bounds import RewardRange, task_range
 from rl360.types import Message, Reward, Task, ToolCall, ToolSpec
 
 
@@ -56,6 +57,7 @@ class SandboxSpec(msgspec.Struct, omit_defaults=True):
     scratch_dirs: list[str] = msgspec.field(default_factory=list)
     backends: list[str] | None = None  # None: any backend
     image: str | None = None  # container image (docker backend)
+    build: str | None = None  # a host dir with a Dockerfile: the image, built (docker backend)
     why: str = ""  # why only `backends` will do (for the refusal message)
 
 
@@ -72,6 +74,17 @@ class Env(abc.ABC):
     # True when episodes may share one long-lived sandbox (the env never changes it and verify
     # runs a fresh process per grading); env actors then keep warm sandboxes per backend
     reuse_sandbox: bool = False
+
+    # the verifier's own time limit for this episode, set by the agent loop before verify (the
+    # smaller of the recipe's env.verify_timeout_s and the task's own); None: the env's default
+    verify_limit_s: float | None = None
+    # the most verify() spends beyond verify_limit_s (a clean room made before the verifier)
+    verify_overhead_s: float = 5.0
+
+    def reward_range(self, task: Task) -> RewardRange:
+        """The range this env's reward lies in for `task`: the task's declared range (default
+        [0, 1]), widened below by any penalty the env subtracts. The agent loop clamps to it."""
+        return task_range(task)
 
     def verify_key(self) -> str | None:
         """A key such that equal keys give equal rewards (verify is a pure function of the
@@ -169,5 +182,7 @@ def open_sandbox(
         options["scratch_dirs"] = spec.scratch_dirs
     if spec.image and name == "docker":
         options["image"] = spec.image
+    if spec.build and name == "docker":
+        options["build_context"] = spec.build
     workdir = spec.workdir if name != "process" else None
     return build_sandbox(name, spec.limits, workdir, **options)

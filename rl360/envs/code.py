@@ -4,7 +4,9 @@ The model's final answer holds the code: the last ```python block (or the last u
 or an unterminated one), else the bare text when it looks like Python. The tests (assert lines,
 or one test-code string) run in the sandbox, each on its own with a per-test time limit: the test
 code runs in a parent process that alone holds the report channel, the solution in a fresh child
-per test that only exchanges plain data with it (rl360/envs/sandbox/isolated_runner.py).
+per test that only exchanges plain data with it (rl360/envs/sandbox/isolated_runner.py). With
+tools the grading runs in the episode's own sandbox, after every process the agent left there
+is killed (`Sandbox.sweep`).
 Reward: the configured reward function (default the fraction of tests passed), plus a format penalty when
 `format_penalty` > 0, with components tests_passed, all_pass and format. Every constructor
 parameter can be set from the recipe (`env.params`).
@@ -22,7 +24,7 @@ from rl360.envs.sandbox import Sandbox
 from rl360.envs.sandbox.runner_input import runner_argv, runner_stdin
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
-from rl360.rewards import RewardContext, env_reward
+from rl360.rewards import RewardContext, RewardRange, env_reward, task_range
 from rl360.types import Message, Reward, Task, ToolCall
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.S)
@@ -84,11 +86,15 @@ class CodeEnv(Env):
         self.reuse_sandbox = not tools  # grading only: one warm sandbox serves many episodes
         self.system_prompt = system_prompt
         self.reward_fn = env_reward(reward, reward_params, format_penalty)
+        self.format_penalty = format_penalty
         self.per_test_timeout_s = per_test_timeout_s
         self.python_flags = list(python_flags)
         self.task: Task | None = None
         self.sandbox: Sandbox | None = None
         self.toolbox: ToolBox | None = None
+
+    def reward_range(self, task: Task) -> RewardRange:
+        return task_range(task).widened(self.format_penalty)
 
     def verify_key(self) -> str | None:
         if self.use_tools or self.task is None:
@@ -116,6 +122,8 @@ class CodeEnv(Env):
         """(passed, total, per-test notes) for `code` against the task's tests."""
         assert self.task is not None and self.sandbox is not None, "setup() first"
         units = test_units(self.task)
+        if self.use_tools:  # the agent ran commands here: nothing it left runs beside the grader
+            await self.sandbox.sweep()
         nonce = secrets.token_hex(8)
         stdin = runner_stdin(nonce, self.per_test_timeout_s, code, units,
                              self.task.data.get("entry_point"))

@@ -1,40 +1,50 @@
 """HarborEnv: Harbor-format tasks (Terminal-Bench style). The agent works in the sandbox with
-the built-in tools; then tests/ is copied to /tests and `bash /tests/test.sh` runs as the
-verifier (after every process the agent left is killed and /logs and /tests are emptied and
-refilled: a clean room), which writes /logs/verifier/reward.txt (one number) or reward.json (a flat dict of
-named numbers; its "reward" entry, else the mean, is the value). The script's exit code is
-ignored. A verifier that writes no reward after the agent ran is the agent's doing (it can
-break what test.sh needs): a scored failure (status error, reward 0), not an infra_error.
+the built-in tools; then the task's verifier runs through `rl360.envs.verifier.verify_harbor`
+(the same code as for an agent program run by the agent worker): a clean room (every process the
+agent left killed, /logs and /tests emptied, tests/ copied to /tests), then `bash /tests/test.sh`
+with a clean start (a fresh HOME, cwd /tests, no user site, nothing implicit on sys.path, the
+environment the task sets), which writes /logs/verifier/reward.txt (one number) or reward.json (a
+flat dict of named numbers; its "reward" entry, else the mean, is the value), bounded to the
+task's reward range. The script's exit code is ignored. A verifier that writes no reward, overruns
+or breaks its sandbox after the agent ran is the agent's doing (it can break what test.sh
+needs): a scored failure (status error, reward 0), not an infra_error.
 
-Sandbox: the task's memory, storage, cpus, network and timeouts are honoured; /logs, /tests
-and /solution are private writable dirs next to the work dir (default /app). A task with its
-own image (docker_image or environment/Dockerfile) runs only on the docker backend; where no
-Docker engine runs it is refused up front, naming the task and the reason.
+Sandbox: the task's memory, storage, cpus, network and timeouts are honoured; /logs, /tests,
+/solution and /verifier are private writable dirs next to the work dir (default /app). A task
+with its own image (docker_image, or environment/Dockerfile: built once per content) runs only
+on the docker backend; where no Docker engine runs it is refused up front, naming the task and
+the reason.
 
 Recipe parameters (`env.params`): system_prompt ({workdir} is filled in), the tools (default:
 the built-in ones plus `search` when the stack runs it), max_output_chars, and format_penalty
 (> 0: subtracted from the verifier's reward when the episode ended without a final answer or
-had malformed tool calls; component format_penalty).
+had malformed tool calls; component format_penalty; the task's reward range is widened below
+by it).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from rl360.envs.api import Env, EnvStart, ModelFault, SandboxSpec, TaskRefused, ToolResult
+from rl360.envs.api import Env, EnvStart, SandboxSpec, TaskRefused, ToolResult
 from rl360.envs.sandbox import Sandbox, SandboxLimits
 from rl360.envs.sandbox.usernet import usernet_unavailable
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
-from rl360.rewards import FormatPenalty, RewardContext
+from rl360.envs.verifier import (
+    PREP_TIMEOUT_S,
+    SCRATCH_DIRS,
+    VerifierError,
+    copy_tree,
+    parse_reward,
+    verify_harbor,
+)
+from rl360.rewards import FormatPenalty, RewardContext, RewardRange, task_range
 from rl360.types import Message, Reward, Task, ToolCall
 
-SCRATCH_DIRS = ["/logs", "/tests", "/solution"]
-REWARD_CAP = 65536  # bytes of reward.txt / reward.json read
+__all__ = ["SCRATCH_DIRS", "HarborEnv", "VerifierError", "copy_tree", "parse_reward"]
 SYSTEM_PROMPT = (
     "You are working in a Linux sandbox; your work dir is {workdir}. Use the tools to inspect "
     "files, run commands and make changes. When the task is done, reply with a short summary "
@@ -42,55 +52,9 @@ SYSTEM_PROMPT = (
 )
 
 
-class VerifierError(ModelFault):
-    """The task's verifier did not produce a (valid) reward after the agent ran."""
-
-
-def _host_files(root: Path) -> list[tuple[str, bytes, int]]:
-    """(relative path, bytes, mode) of every file under `root` (none when it is missing)."""
-    if not root.is_dir():
-        return []
-    out = []
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            mode = 0o755 if p.stat().st_mode & 0o111 else 0o644
-            out.append((p.relative_to(root).as_posix(), p.read_bytes(), mode))
-    return out
-
-
-async def copy_tree(sandbox: Sandbox, src: Path, dest: str) -> int:
-    """Copy a host directory into the sandbox (executable bits kept); returns the file count."""
-    files = await asyncio.to_thread(_host_files, src)
-    for rel, data, mode in files:
-        await sandbox.write_file(f"{dest.rstrip('/')}/{rel}", data, mode=mode)
-    return len(files)
-
-
-def parse_reward(text: str, kind: str) -> Reward:
-    if kind == "txt":
-        try:
-            value = float(text.strip().split()[0])
-        except (ValueError, IndexError):
-            raise VerifierError(f"reward.txt does not hold a number: {text[:100]!r}") from None
-        if not math.isfinite(value):
-            raise VerifierError(f"reward.txt holds a non-finite number: {value}")
-        return Reward(value=value, components={"reward": value})
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise VerifierError(f"reward.json is not JSON: {e}") from None
-    if not isinstance(data, dict) or not data:
-        raise VerifierError("reward.json must be a non-empty flat object of numbers")
-    comps: dict[str, float] = {}
-    for k, v in data.items():
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise VerifierError(f"reward.json entry {k!r} is not a number: {v!r}")
-        comps[str(k)] = float(v)
-    value = comps["reward"] if "reward" in comps else sum(comps.values()) / len(comps)
-    return Reward(value=value, components=comps)
-
-
 class HarborEnv(Env):
+    verify_overhead_s = PREP_TIMEOUT_S + 30.0  # the clean room, then reading the reward
+
     def __init__(
         self,
         system_prompt: str | None = SYSTEM_PROMPT,
@@ -138,6 +102,7 @@ class HarborEnv(Env):
                 scratch_dirs=SCRATCH_DIRS,
                 backends=["docker"],
                 image=d.get("docker_image"),
+                build=None if d.get("docker_image") else str(Path(d["path"]) / "environment"),
                 why=f"harbor task {task.id!r} needs its own container ({what})",
             )
         no_usernet = usernet_unavailable() if limits.network else None
@@ -214,35 +179,11 @@ class HarborEnv(Env):
         reward.components["format_penalty"] = pen.value
         return reward
 
+    def reward_range(self, task: Task) -> RewardRange:
+        rng = task_range(task)
+        return rng.widened(self.format_penalty.penalty) if self.format_penalty else rng
+
     async def verify(self) -> Reward:
         assert self.sandbox is not None and self.task is not None, "setup() first"
-        sb = self.sandbox
-        # clean room: every process the agent left (daemons included) dies first, then /logs
-        # and /tests are emptied and refilled, so nothing of the agent's can pre-fill, rewrite
-        # or block the reward file or the test script while the verifier runs
-        stray = await sb.sweep()
-        await sb.exec(
-            "chmod -R u+rwX /logs /tests 2>/dev/null; find /logs /tests -mindepth 1 -delete; "
-            "mkdir -p /logs/verifier /logs/agent",
-            timeout=30,
-        )
-        await copy_tree(sb, self._root() / "tests", "/tests")
-        limit = float(self.task.data.get("verifier_timeout_sec") or 600)
-        env = {**self.task.data.get("env", {}), **self.task.data.get("verifier_env", {})}
-        res = await sb.exec(["bash", "/tests/test.sh"], timeout=limit, env=env)
-        tail = (res.stdout[-1500:] + res.stderr[-1500:]).strip()
-        for kind in ("txt", "json"):
-            try:
-                raw = await sb.read_file(f"/logs/verifier/reward.{kind}", max_bytes=REWARD_CAP)
-                text = raw.decode(errors="replace")
-            except OSError:
-                continue
-            reward = parse_reward(text, kind)
-            reward.info.update(
-                verifier_exit_code=res.exit_code, verifier_output=tail, agent_procs_killed=stray
-            )
-            return self._penalized(reward)
-        why = "timed out" if res.timed_out else f"exited {res.exit_code}"
-        raise VerifierError(
-            f"harbor task {self.task.id!r}: test.sh {why} without writing a reward: {tail[-500:]}"
-        )
+        reward = await verify_harbor(self.sandbox, self.task, self.verify_limit_s)
+        return self._penalized(reward)

@@ -3,10 +3,11 @@
 A JSONL line is either a full task record {"id", "prompt", "kind", "data"} (any env kind: what
 `rl360 eval --calibrate` writes, and e.g. examples/search/tasks.jsonl) or a code task
 {"id", "instruction" | "prompt", "entry_point"?, "tests": [assert lines] | "test code",
-"reference"? (or "solution"), ...extra fields kept in Task.data}.
+"reference"? (or "solution"), ...extra fields kept in Task.data}. Every format may declare the
+task's reward range, `reward_range = [low, high]` (default [0, 1]; rl360.rewards.bounds).
 
-Harbor task dir: instruction.md, task.toml ([agent] timeout_sec, [verifier] timeout_sec / env,
-[environment] cpus, memory_mb (or memory = "2G"), storage_mb (or storage), network_mode
+Harbor task dir: instruction.md, task.toml ([agent] timeout_sec, [verifier] timeout_sec / env /
+reward_range, [environment] cpus, memory_mb (or memory = "2G"), storage_mb (or storage), network_mode
 ("no-network" | "public" | "allowlist") or allow_internet, docker_image, workdir (RL360: where
 the agent starts, default /app)), tests/test.sh (+ files), optional solution/solve.sh,
 optional environment/ (a Dockerfile means the task needs its own image; RL360 also copies
@@ -23,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from rl360.rewards.bounds import parse_range
 from rl360.types import Task
 
 
@@ -59,7 +61,18 @@ def code_task(record: dict[str, Any], where: str = "<record>") -> Task:
     ref = rec.reference if rec.reference is not None else rec.solution
     if ref is not None:
         data["reference"] = ref
-    return Task(id=rec.id, prompt=prompt, kind="code", data=data)
+    return Task(id=rec.id, prompt=prompt, kind="code", data=_checked_range(data, where))
+
+
+def _checked_range(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` with its reward_range (when given) checked and stored as [low, high] floats."""
+    if "reward_range" in data:
+        try:
+            rng = parse_range(data["reward_range"], where)
+        except ValueError as e:
+            raise TaskFormatError(str(e)) from None
+        data["reward_range"] = [rng.low, rng.high]
+    return data
 
 
 def full_task(record: dict[str, Any], where: str = "<record>") -> Task:
@@ -70,6 +83,7 @@ def full_task(record: dict[str, Any], where: str = "<record>") -> Task:
         raise TaskFormatError(f"{where}: not a task record {{id, prompt, kind, data}}: {e}") from None
     if not task.id or not task.prompt or not task.kind:
         raise TaskFormatError(f"{where}: a task record needs a non-empty id, prompt and kind")
+    _checked_range(task.data, where)
     return task
 
 
@@ -163,6 +177,7 @@ def load_harbor_task(path: str | os.PathLike[str]) -> Task:
         "agent_timeout_sec": _number(agent, "timeout_sec", 600.0, where),
         "verifier_timeout_sec": _number(verifier, "timeout_sec", 600.0, where),
         "verifier_env": {str(k): str(v) for k, v in (verifier.get("env") or {}).items()},
+        "reward_range": verifier.get("reward_range", [0.0, 1.0]),
         "cpus": _number(env, "cpus", None, where),
         "memory_mb": _mb(env.get("memory_mb", env.get("memory")), "memory_mb", where),
         "storage_mb": _mb(env.get("storage_mb", env.get("storage")), "storage_mb", where),
@@ -175,6 +190,7 @@ def load_harbor_task(path: str | os.PathLike[str]) -> Task:
     }
     if not str(data["workdir"]).startswith("/"):
         raise TaskFormatError(f"{where}: environment.workdir must be an absolute path")
+    _checked_range(data, f"{where}: [verifier]")
     return with_domain(Task(
         id=str(name or root.name),
         prompt=(root / "instruction.md").read_text(),

@@ -13,7 +13,7 @@ from rl360.envs.api import Env, EnvStart, ToolResult
 from rl360.envs.sandbox import Sandbox
 from rl360.envs.search_tool import check_tool_names, make_toolbox
 from rl360.envs.tools import ToolBox
-from rl360.rewards import RewardContext, env_reward
+from rl360.rewards import RewardContext, RewardRange, env_reward, task_range
 from rl360.types import Message, Reward, Task, ToolCall
 
 
@@ -29,8 +29,12 @@ class ToolEnv(Env):
         self.system_prompt = system_prompt
         self.tool_names = check_tool_names(tools)
         self.reward_fn = env_reward(reward, reward_params, format_penalty)
+        self.format_penalty = format_penalty
         self.task: Task | None = None
         self.toolbox: ToolBox | None = None
+
+    def reward_range(self, task: Task) -> RewardRange:
+        return task_range(task).widened(self.format_penalty)
 
     async def setup(self, task: Task, sandbox: Sandbox) -> EnvStart:
         self.task = task

@@ -27,6 +27,7 @@ import msgspec
 
 from rl360.envs.sandbox import SandboxLimits, build_sandbox
 from rl360.envs.sandbox import bwrap as bwrap_sandbox
+from rl360.envs.sandbox import docker as docker_sandbox
 from rl360.launch.placement import PlacementError, is_cluster_recipe, plan_placement
 from rl360.launch.plan import live_nodes, resolve_nodes
 from rl360.policies.loading import cache_dir, smollm2_gguf_path
@@ -138,6 +139,20 @@ def check_sandbox(recipe: Recipe | None = None) -> Check:
         return Check("sandbox", "warn", "bwrap works; MISSING protections: " + "; ".join(missing))
     return _ok("sandbox", "bwrap works: every protection holds (network, filesystem, procs, "
                           "memory, cpu, disk, cleanup, helper)")
+
+
+def check_docker() -> Check:
+    """Whether a Docker engine answers: the docker sandbox, task images and environment/
+    Dockerfile builds need one; without it those tasks are refused before any rollout and the
+    docker sandbox's own protections are not there to check."""
+    why = docker_sandbox.docker_unavailable()
+    if why is None:
+        return _ok("docker", "a Docker engine answers: task images are built and run in the "
+                             "docker sandbox (egress-only network, no capabilities, limits)")
+    return Check("docker", "skip", f"{why}: tasks with their own image or environment/Dockerfile "
+                                   "are refused; MISSING the docker sandbox and its protections "
+                                   "(egress-only network, no capabilities, pids/memory/cpu "
+                                   "limits, read-only root)")
 
 
 def _bwrap_missing(recipe: Recipe | None) -> list[str]:
@@ -261,6 +276,7 @@ def run_preflight(recipe: Recipe, live: bool, address: str = "",
     address = address or recipe.ray.address or os.environ.get("RAY_ADDRESS", "") or "auto"
     checks.append(check_placement(recipe, live, address))
     checks.append(check_sandbox(recipe))
+    checks.append(check_docker())
     checks.append(check_model(recipe))
     checks.append(check_disk(recipe, min_free_gb))
     if live:

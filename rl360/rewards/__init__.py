@@ -1,6 +1,7 @@
 """Reward functions and grading utilities: tests passed, all pass, exact answer, format penalty,
-weighted composition; a table (`REWARDS`, `build_reward`) and a guard that grades a raising
-reward function as a counted reward-function error."""
+weighted composition; a table (`REWARDS`, `build_reward`), a guard that grades a raising
+reward function as a counted reward-function error, and the reward range a task declares
+(`task_range`, `bound_reward`)."""
 
 from rl360.rewards.base import (
     Guarded,
@@ -8,6 +9,13 @@ from rl360.rewards.base import (
     RewardFn,
     guarded,
     reward_error_counts,
+)
+from rl360.rewards.bounds import (
+    NonFiniteReward,
+    RewardRange,
+    bound_reward,
+    parse_range,
+    task_range,
 )
 from rl360.rewards.graders import (
     REWARDS,
@@ -27,13 +35,18 @@ __all__ = [
     "ExactAnswer",
     "FormatPenalty",
     "Guarded",
+    "NonFiniteReward",
     "RewardContext",
     "RewardFn",
+    "RewardRange",
     "TestsPassed",
     "Weighted",
+    "bound_reward",
     "build_reward",
     "env_reward",
     "guarded",
     "normalize_answer",
+    "parse_range",
     "reward_error_counts",
+    "task_range",
 ]

@@ -96,6 +96,12 @@ async def test_single_turn_episode_and_format_penalty(bwrap_backend, make_sandbo
     res = await run_episode(env, TASK, make_sandbox(bwrap_backend), client)
     assert res.status == "ok" and res.reward.value == 1.0
     assert [m.role for m in client.calls[0]] == ["system", "user"]
+    # the env's own format_penalty widens the task's range below by the penalty
+    client = ScriptedClient([Message(role="assistant", content="seven more than x")])
+    res = await run_episode(CodeEnv(format_penalty=0.3), TASK, make_sandbox(bwrap_backend), client)
+    assert res.reward.value == pytest.approx(-0.3) and res.reward.components["format"] == 0.0
+    assert "reward_clamped" not in res.counters
+    # a penalty inside a custom reward is bounded by the task's declared range (default [0, 1])
     penalised = CodeEnv(
         reward="weighted",
         reward_params={
@@ -104,7 +110,12 @@ async def test_single_turn_episode_and_format_penalty(bwrap_backend, make_sandbo
     )
     client = ScriptedClient([Message(role="assistant", content="seven more than x")])
     res = await run_episode(penalised, TASK, make_sandbox(bwrap_backend), client)
-    assert res.reward.value == pytest.approx(-0.3) and res.reward.components["format"] == 0.0
+    assert res.reward.value == 0.0 and res.counters["reward_clamped"] == 1
+    assert res.reward.info["unclamped_reward"] == pytest.approx(-0.3)
+    ranged = Task(id=TASK.id, prompt=TASK.prompt, data={**TASK.data, "reward_range": [-1, 1]})
+    client = ScriptedClient([Message(role="assistant", content="seven more than x")])
+    res = await run_episode(penalised, ranged, make_sandbox(bwrap_backend), client)
+    assert res.reward.value == pytest.approx(-0.3)
 
 
 async def test_tool_using_code_episode(bwrap_backend, make_sandbox):

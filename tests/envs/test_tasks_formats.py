@@ -162,3 +162,40 @@ def test_demo_tasks_load():
         assert ref.startswith(f"def {t.data['entry_point']}(") and ref.count("\n") == 1
     assert all(t.data["has_solution"] for t in harbor)
     assert len({t.id for t in tasks}) == 32
+
+
+def test_a_task_dockerfile_is_built_where_docker_runs_else_refused_up_front(tmp_path):
+    """A Harbor task with environment/Dockerfile asks the docker backend to build that folder;
+    with no Docker engine it is refused in one line (the start-up task check, before any
+    rollout, refuses it through the same backend choice)."""
+    from rl360.envs.api import choose_backend
+
+    root = make_harbor(tmp_path / "built", "")
+    (root / "environment").mkdir()
+    (root / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\n")
+    task = load_harbor_task(root)
+    spec = HarborEnv().sandbox_spec(task, SandboxLimits())
+    assert spec.backends == ["docker"] and spec.build == str(root.resolve() / "environment")
+    if unavailable_reason("docker") is None:
+        pytest.skip("a Docker engine runs here; the task would run")
+    with pytest.raises(TaskRefused, match="no Docker engine") as err:
+        choose_backend(spec, "auto", task)
+    assert "\n" not in str(err.value) and "'built'" in str(err.value)
+    with pytest.raises(TaskRefused, match="needs its own container"):
+        open_sandbox(HarborEnv(), task)
+
+
+def test_reward_range_in_every_format(tmp_path):
+    assert load_harbor_task(make_harbor(tmp_path / "d", "")).data["reward_range"] == [0.0, 1.0]
+    t = load_harbor_task(make_harbor(tmp_path / "r", "[verifier]\nreward_range = [-1, 5]\n"))
+    assert t.data["reward_range"] == [-1.0, 5.0]
+    for bad in ("[1, 0]", "[0]", '["a", 1]', "[0, inf]"):
+        root = make_harbor(tmp_path / f"bad{len(list(tmp_path.iterdir()))}",
+                           f"[verifier]\nreward_range = {bad}\n")
+        with pytest.raises(TaskFormatError, match=r"\[verifier\]: reward_range must be"):
+            load_harbor_task(root)
+    code = {"id": "c", "prompt": "p", "tests": ["assert True"], "reward_range": [0, 10]}
+    [task] = iter_code_tasks(write_jsonl(tmp_path / "c.jsonl", [code]))
+    assert task.data["reward_range"] == [0.0, 10.0]
+    with pytest.raises(TaskFormatError, match=r"c2.jsonl:1.*reward_range"):
+        list(iter_code_tasks(write_jsonl(tmp_path / "c2.jsonl", [{**code, "reward_range": 1}])))

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 
 READ_CAP = 8 << 20  # the most bytes one read_file returns, whatever the caller asks for
+STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class SandboxError(RuntimeError):
@@ -119,6 +120,12 @@ class Sandbox(abc.ABC):
         room before grading). Returns how many stray processes it killed. Must not run while
         another exec of the same sandbox is in flight (that exec's processes die too)."""
         raise SandboxError(f"{self.backend} sandbox cannot sweep its processes")
+
+    def clean_env(self) -> dict[str, str]:
+        """The environment the backend itself gives a process it starts (PATH, locale, temp
+        dir, and what it needs to find its processes again), never anything that code run in
+        the sandbox set: the base a verifier starts from (`rl360.envs.verifier`)."""
+        return {"PATH": STANDARD_PATH, "LANG": "C.UTF-8", "TMPDIR": "/tmp"}
 
     async def host_pids(self) -> list[int]:
         """Host pids of the sandbox's processes right now (diagnostics and tests)."""

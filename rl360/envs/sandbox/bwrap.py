@@ -156,6 +156,10 @@ class BwrapSandbox(ServedSandbox):
             if p != "/usr" and not p.startswith("/usr/")
         ]
 
+    def clean_env(self) -> dict[str, str]:
+        return {"PATH": f"{self.python.bin_dir}:/usr/local/bin:/usr/bin:/bin", "TMPDIR": "/tmp",
+                "LANG": "C.UTF-8", "USER": "sandbox"}
+
     def _bwrap_argv(self, drop_uid: bool) -> list[str]:
         lim = self.limits
         mib = 1024 * 1024
@@ -198,14 +202,7 @@ class BwrapSandbox(ServedSandbox):
         for d in (self.workdir, *self.scratch_dirs):
             args += ["--size", str(lim.disk_mb * mib), "--tmpfs", d]
         args += ["--remount-ro", "/", "--chdir", self.workdir, "--clearenv"]
-        env = {
-            "PATH": f"{self.python.bin_dir}:/usr/local/bin:/usr/bin:/bin",
-            "HOME": self.workdir,
-            "TMPDIR": "/tmp",
-            "LANG": "C.UTF-8",
-            "USER": "sandbox",
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
+        env = {**self.clean_env(), "HOME": self.workdir, "PYTHONDONTWRITEBYTECODE": "1"}
         for k, v in env.items():
             args += ["--setenv", k, v]
         rlimits = {"RLIMIT_CPU": lim.cpu_seconds, "RLIMIT_CORE": 0}

@@ -1,10 +1,22 @@
 """The Docker sandbox, for hosts with a running Docker engine (and tasks with their own image).
 
-One container per sandbox (`docker run -d ... sleep infinity`, sleep as pid 1) with no network, capped memory,
-pids and CPUs, a read-only root, size-capped tmpfs work dir and /tmp, no capabilities and
+One container per sandbox (`docker run -d ... sleep infinity`, sleep as pid 1) with capped
+memory, pids and CPUs, a read-only root, size-capped tmpfs /tmp, no capabilities and
 no-new-privileges; each exec is a `docker exec`. The docker CLI is driven via subprocess (no
 SDK). On a timeout every process of the container except its init is killed (docker exec
-gives no handle on the exec'd process tree); close removes the container.
+gives no handle on the exec'd process tree); close removes the container and its volumes.
+
+Network: none, or with `limits.network` the bridge network `rl360-egress` (created once):
+outbound only, no traffic between containers (icc off), never the host's network namespace.
+The host's own addresses and private ranges stay reachable through it (Docker sets no firewall
+rule against them): `protections.network` says so.
+
+Images: the stock Python image (uid 65534, a size-capped tmpfs work dir), a task's image, or a
+task's environment/Dockerfile built once per content (`build_context`: the image is tagged
+`rl360-task:<sha256 of the context's files>`, so an unchanged context is never built twice and
+a changed one never reuses a stale image). A task's image runs as its own user (its files are
+its own; no capabilities, no new privileges) with the work dir an anonymous volume that Docker
+fills from the image's own files there: no size cap, listed as a missing disk protection.
 """
 
 from __future__ import annotations
@@ -12,13 +24,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
+import json
 import logging
+import os
 import shlex
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 from rl360.envs.sandbox.base import (
     READ_CAP,
@@ -33,13 +49,17 @@ from rl360.envs.sandbox.channel import shell_argv
 
 log = logging.getLogger(__name__)
 DEFAULT_IMAGE = "python:3.11-slim"
+EGRESS_NETWORK = "rl360-egress"
+BUILD_TIMEOUT_S = 1800.0
+TASK_IMAGE = "rl360-task"
+_builds: dict[str, asyncio.Lock] = {}  # one build at a time per image tag in this process
 
 
 @functools.cache
 def docker_unavailable() -> str | None:
     exe = shutil.which("docker")
     if exe is None:
-        return "the docker CLI is not installed"
+        return "no Docker engine: the docker CLI is not installed"
     try:
         out = subprocess.run(
             [exe, "info", "--format", "{{.ServerVersion}}"],
@@ -48,10 +68,29 @@ def docker_unavailable() -> str | None:
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"docker info failed: {e}"
+        return f"no Docker engine: docker info failed: {e}"
     if out.returncode != 0:
-        return "no Docker engine is running: " + out.stderr.decode(errors="replace").strip()[:200]
+        why = " ".join(out.stderr.decode(errors="replace").split())[:200]
+        return f"no Docker engine: {why}"
     return None
+
+
+def context_digest(context: str | os.PathLike[str]) -> str:
+    """sha256 over a build context's files (relative path, mode's exec bit, bytes), sorted."""
+    root = Path(context)
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file() or p.is_symlink():
+            rel = p.relative_to(root).as_posix().encode()
+            data = os.readlink(p).encode() if p.is_symlink() else p.read_bytes()
+            execbit = b"x" if not p.is_symlink() and p.stat().st_mode & 0o111 else b"-"
+            h.update(len(rel).to_bytes(4, "big") + rel + execbit)
+            h.update(len(data).to_bytes(8, "big") + data)
+    return h.hexdigest()
+
+
+def task_image_tag(context: str | os.PathLike[str]) -> str:
+    return f"{TASK_IMAGE}:{context_digest(context)[:24]}"
 
 
 class _Capped:
@@ -87,13 +126,19 @@ class DockerSandbox(Sandbox):
         image: str | None = None,
         scratch_dirs: Sequence[str] = (),
         user: str | None = "65534:65534",
+        build_context: str | None = None,
     ) -> None:
         super().__init__(limits, workdir)
+        if image and build_context:
+            raise ValueError("docker sandbox: give an image or a build context, not both")
+        self.build_context = build_context
         self.image = image or DEFAULT_IMAGE
+        self.own_image = bool(image or build_context)  # the task's: its user, its files
         self.scratch_dirs = list(scratch_dirs)
-        self.user = user
+        self.user = None if self.own_image else user
         self.container = f"rl360-{uuid.uuid4().hex[:12]}"
         self._docker = shutil.which("docker") or "docker"
+        self._env: dict[str, str] = {}
 
     async def _run(
         self, *args: str, stdin: bytes | None = None, limit_s: float = 60.0, cap: int = 1 << 20
@@ -121,11 +166,64 @@ class DockerSandbox(Sandbox):
             await readers
         return proc.returncode if proc.returncode is not None else -9, out, err, timed_out
 
+    async def build_image(self, context: str) -> str:
+        """The tag of `context`'s image, built unless an image of that content exists."""
+        tag = await asyncio.to_thread(task_image_tag, context)
+        async with _builds.setdefault(tag, asyncio.Lock()):
+            rc, _, _, _ = await self._run("image", "inspect", tag, limit_s=60.0)
+            if rc == 0:
+                return tag
+            rc, out, err, timed_out = await self._run(
+                "build", "-t", tag, context, limit_s=BUILD_TIMEOUT_S, cap=1 << 20)
+            if rc != 0 or timed_out:
+                tail = (out.data + err.data).decode(errors="replace").strip()[-800:]
+                why = f"timed out after {BUILD_TIMEOUT_S:g}s" if timed_out else f"exit {rc}"
+                raise SandboxStartError(f"docker build of {context} failed ({why}): {tail}")
+            return tag
+
+    async def _egress_network(self) -> str:
+        """The outbound-only bridge network (created once per engine; icc off)."""
+        rc, _, _, _ = await self._run("network", "inspect", EGRESS_NETWORK, limit_s=30.0)
+        if rc != 0:
+            rc, _, err, _ = await self._run(
+                "network", "create", "--driver", "bridge",
+                "-o", "com.docker.network.bridge.enable_icc=false", EGRESS_NETWORK, limit_s=60.0)
+            text = err.data.decode(errors="replace")
+            if rc != 0 and "already exists" not in text:
+                raise SandboxStartError(f"docker network create {EGRESS_NETWORK}: {text.strip()}")
+        return EGRESS_NETWORK
+
+    async def _image_env(self) -> dict[str, str]:
+        rc, out, _, _ = await self._run("image", "inspect", "--format", "{{json .Config.Env}}",
+                                        self.image, limit_s=60.0)
+        env: dict[str, str] = {}
+        if rc == 0:
+            with contextlib.suppress(ValueError, TypeError):
+                for item in json.loads(out.data.decode()) or []:
+                    k, _, v = str(item).partition("=")
+                    env[k] = v
+        return env
+
+    def clean_env(self) -> dict[str, str]:
+        return {**super().clean_env(), **{k: v for k, v in self._env.items()
+                                          if k in ("PATH", "LANG", "LC_ALL")}}
+
     async def start(self) -> None:
         if self._started:
             return
         self._check_open()
+        if self.build_context is not None:
+            try:
+                self.image = await self.build_image(self.build_context)
+            except SandboxStartError:
+                self._closed = True
+                raise
         lim, mib = self.limits, 1024 * 1024
+        try:
+            network = await self._egress_network() if lim.network else "none"
+        except SandboxStartError:
+            self._closed = True
+            raise
         args = [
             "run",
             "-d",
@@ -133,7 +231,7 @@ class DockerSandbox(Sandbox):
             "--name",
             self.container,
             "--network",
-            "bridge" if lim.network else "none",
+            network,
             "--memory",
             f"{lim.memory_mb}m",
             "--memory-swap",
@@ -151,8 +249,9 @@ class DockerSandbox(Sandbox):
             "core=0",
             "--tmpfs",
             f"/tmp:rw,exec,size={lim.tmp_mb * mib}",
-            "--tmpfs",
-            f"{self.workdir}:rw,exec,size={lim.disk_mb * mib},mode=1777",
+            # the task's image: its own files in the work dir (a volume Docker fills from them)
+            *(["--mount", f"type=volume,dst={self.workdir}"] if self.own_image else
+              ["--tmpfs", f"{self.workdir}:rw,exec,size={lim.disk_mb * mib},mode=1777"]),
             "--workdir",
             self.workdir,
         ]
@@ -169,12 +268,17 @@ class DockerSandbox(Sandbox):
             raise SandboxStartError(
                 f"docker run {self.image} failed: {err.data.decode(errors='replace').strip()}"
             )
+        self._env = await self._image_env()
         p = self.protections
-        p.network = "" if lim.network else "--network none"
-        p.filesystem = "container image, read-only root"
+        p.network = (f"bridge {EGRESS_NETWORK}: outbound only, no inter-container traffic; the "
+                     "host's addresses and private ranges reachable" if lim.network
+                     else "--network none")
+        who = "the image's own user" if self.own_image else f"uid {self.user}"
+        p.filesystem = f"container image, read-only root, {who}, --cap-drop ALL, no-new-privileges"
         p.procs, p.memory = f"--pids-limit {lim.max_procs}", f"--memory {lim.memory_mb}m"
-        p.cpu, p.disk = f"--ulimit cpu={lim.cpu_seconds}", f"tmpfs work dir {lim.disk_mb} MiB"
-        p.cleanup = "docker rm -f"
+        p.cpu = f"--ulimit cpu={lim.cpu_seconds}"
+        p.disk = "" if self.own_image else f"tmpfs work dir {lim.disk_mb} MiB"
+        p.cleanup = "docker rm -f -v"
         self._started = True
 
     async def exec(
@@ -264,6 +368,7 @@ class DockerSandbox(Sandbox):
             return
         self._closed = True
         if self._started:
-            rc, _, err, _ = await self._run("rm", "-f", self.container, limit_s=60.0)
+            rc, _, err, _ = await self._run("rm", "-f", "-v", self.container, limit_s=60.0)
             if rc != 0:
-                raise SandboxError(f"docker rm -f {self.container}: {err.data.decode().strip()}")
+                raise SandboxError(f"docker rm -f -v {self.container}: "
+                                   f"{err.data.decode().strip()}")

@@ -61,6 +61,11 @@ class ProcessSandbox(ServedSandbox):
         self.workdir = workdir or ""
         self.python = resolve_python(python)
 
+    def clean_env(self) -> dict[str, str]:
+        return {"PATH": f"{self.python.bin_dir}:/usr/local/bin:/usr/bin:/bin",
+                "TMPDIR": os.path.join(self.workdir, ".tmp"), "LANG": "C.UTF-8",
+                MARKER: self.sandbox_id}
+
     async def _prepare(self) -> tuple[list[str], dict[str, str], str | None]:
         lim = self.limits
         if self._own_workdir:
@@ -77,14 +82,7 @@ class ProcessSandbox(ServedSandbox):
             "RLIMIT_CORE": 0,
         }
         config = {"workdir": self.workdir, "rlimits": rlimits}
-        env = {
-            "PATH": f"{self.python.bin_dir}:/usr/local/bin:/usr/bin:/bin",
-            "HOME": self.workdir,
-            "TMPDIR": tmp,
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            MARKER: self.sandbox_id,
-        }
+        env = {**self.clean_env(), "HOME": self.workdir, "PYTHONDONTWRITEBYTECODE": "1"}
         argv = server_argv(self.python.executable, config)
         p = self.protections
         p.cpu = f"RLIMIT_CPU {lim.cpu_seconds}s per process"
