@@ -533,4 +533,4 @@ class SessionLedger:
                 ids = ids[: len(ids) - ids[::-1].index(eot) - 1]
         if ids == p.tokens:
             return {"match": True}
-        return {"match": False, **compare_segments(p.tokens, ids, self.renderer)}
+        return {"match": False, **compare_segments(p.tokens, ids, self.renderer, p.mask)}

@@ -101,19 +101,24 @@ def first_divergence(a: list[Message], b: list[Message], same: Any) -> int:
     return min(len(a), len(b))
 
 
-def compare_segments(ledger: list[int], rendered: list[int], r: ChatRenderer) -> dict[str, Any]:
-    """Split both sequences at special tokens and classify the differences (TITO inv. 7)."""
+def compare_segments(ledger: list[int], rendered: list[int], r: ChatRenderer,
+                     mask: list[int] | None = None) -> dict[str, Any]:
+    """Split both sequences at special tokens and classify the differences (TITO inv. 7). A
+    text segment is assistant text when it starts with the assistant header or, given the
+    ledger's `mask`, holds a token the engine generated: a special token the model generated
+    mid-reply splits its reply, and the rest is still the model's text."""
 
-    def split(ids: list[int]) -> tuple[list[int], list[list[int]]]:
+    def split(ids: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
         specials: list[int] = []
-        texts: list[list[int]] = [[]]
-        for t in ids:
+        spans: list[tuple[int, int]] = []
+        start = 0
+        for i, t in enumerate(ids):
             if t in r.special_ids:
                 specials.append(t)
-                texts.append([])
-            else:
-                texts[-1].append(t)
-        return specials, texts
+                spans.append((start, i))
+                start = i + 1
+        spans.append((start, len(ids)))
+        return specials, spans
 
     sa, ta = split(ledger)
     sb, tb = split(rendered)
@@ -130,9 +135,12 @@ def compare_segments(ledger: list[int], rendered: list[int], r: ChatRenderer) ->
                 out["eos_alias"] += 1
             else:
                 out["special_token_type"] += 1
-    for x, y in zip(ta, tb, strict=False):
+    for (a0, a1), (b0, b1) in zip(ta, tb, strict=False):
+        x, y = ledger[a0:a1], rendered[b0:b1]
         if x != y:
             text = r.decode(y[:3]) if y else r.decode(x[:3])
-            key = "assistant_text" if text.startswith("ass") else "non_assistant_text"
+            generated = mask is not None and any(mask[a0:a1])
+            key = "assistant_text" if text.startswith("ass") or generated else \
+                "non_assistant_text"
             out[key] += 1
     return out
