@@ -39,13 +39,8 @@ from rl360.policies.megatron.model import (
     read_hf_weights,
 )
 from rl360.policies.support import TRAINER_SUPPORT
-from rl360.policies.trainer_torch import (
-    _NOT_COPIED,
-    _WEIGHT_SUFFIXES,
-    STATE_FILE,
-    TorchTrainer,
-    _as_tuple,
-)
+from rl360.policies.trainer_state import STATE_FILE, as_tuple
+from rl360.policies.trainer_torch import _NOT_COPIED, _WEIGHT_SUFFIXES, TorchTrainer
 from rl360.recipe import TrainerSection
 
 _HF_CONFIG_FILES = ("config.json", "generation_config.json")
@@ -242,5 +237,5 @@ class MegatronTrainer(TorchTrainer):
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         torch.set_rng_state(state["torch_rng"])
-        random.setstate(_as_tuple(state["python_rng"]))
+        random.setstate(as_tuple(state["python_rng"]))
         self._refresh_full()
