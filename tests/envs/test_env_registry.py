@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rl360.envs.agent_worker import AgentWorkerEnv
 from rl360.envs.code import CodeEnv
 from rl360.envs.harbor import HarborEnv
 from rl360.envs.registry import BUILTIN_ENVS, build_env, env_class, resolve
@@ -11,8 +12,9 @@ from rl360.envs.toolenv import ToolEnv
 
 
 def test_builtin_names():
-    assert set(BUILTIN_ENVS) == {"code", "harbor", "tools", "synthetic"}
+    assert set(BUILTIN_ENVS) == {"code", "harbor", "tools", "synthetic", "agent"}
     assert env_class("code") is CodeEnv and env_class("harbor") is HarborEnv
+    assert env_class("agent") is AgentWorkerEnv
     assert isinstance(build_env("tools"), ToolEnv)
     env = build_env("rl360.envs.code:CodeEnv", tools=True)
     assert isinstance(env, CodeEnv) and env.use_tools
