@@ -2,8 +2,9 @@
 holding a trainer built by `rl360.policies.trainer_backends.build_trainer` (the recipe's
 `trainer.backend`: "torch", "fsdp" or "megatron"), one data-parallel rank each.
 
-With W > 1 the workers join a torch.distributed gloo group (rank 0's node address and a free
-port there, found by rank 0 and handed to all ranks by the group). Per step the group counts
+With W > 1 the workers join a torch.distributed gloo group through rank 0's rendezvous store
+(bound by rank 0 on a port the kernel picks and held open: no free-port race; its address is
+handed to all ranks by the group). Per step the group counts
 the loss tokens and sequences of the WHOLE batch, splits the samples over the ranks balanced
 by token count, and every rank runs the same optimizer step on gradients summed over ranks;
 the global denominators make the sum exact (no averaging), so W ranks step exactly like one.
@@ -29,7 +30,6 @@ from rl360.actors.buffer import RefBatch, to_samples
 from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
 from rl360.policies.trainer_torch import TorchTrainer
-from rl360.ray_session import free_port
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 from rl360.weights.sender import SenderCall, WeightSender
@@ -76,10 +76,21 @@ class TrainerWorker:
         self.threads = threads
         self.trainer: Any = None
         self.weight_sender: WeightSender | None = None  # made at the first weight sync call
+        self._store: Any = None  # rank 0's rendezvous store (torch.distributed.TCPStore)
 
-    def address(self) -> tuple[str, int]:
+    def address(self, timeout_s: float = 600.0) -> tuple[str, int]:
+        """Rank 0: open the group's rendezvous store on a port the kernel picks, held from here
+        until the group forms, and return where it listens. (A port found free and released
+        for init_process_group to bind later could be taken by another process in between:
+        EADDRINUSE.)"""
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        if self.world_size == 1:
+            return host, 0
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
+                                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return host, int(self._store.port)
 
     def setup(
         self, config: TrainerSection, model_path: str, master: tuple[str, int], timeout_s: float,
@@ -98,9 +109,12 @@ class TrainerWorker:
             pg_backend = ("cpu:gloo,cuda:nccl" if config.device != "cpu" and config.num_gpus > 0
                           and torch.cuda.is_available()
                           else "gloo")
+            store = self._store if self.rank == 0 else dist.TCPStore(
+                master[0], master[1], self.world_size, is_master=False,
+                timeout=timedelta(seconds=timeout_s))
             dist.init_process_group(
-                pg_backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
-                world_size=self.world_size, timeout=timedelta(seconds=timeout_s),
+                pg_backend, store=store, rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(seconds=timeout_s),
             )
         self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed)
         n = sum(p.numel() for p in self.trainer.params)
@@ -199,7 +213,7 @@ class TrainerGroup:
             for rank, name in enumerate(self.names)
         ]
         try:
-            master = self._get(self.workers[0].address.remote(), "address")
+            master = self._get(self.workers[0].address.remote(timeout_s), "address")
             self.info = self._get(
                 [w.setup.remote(config, str(model_path), master, timeout_s, temperature, seed)
                  for w in self.workers],

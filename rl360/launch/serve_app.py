@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 from rl360.launch.roles import LocalPlacement
 from rl360.launch.startup import StartupClock
 from rl360.policies.loading import resolve_model_path
-from rl360.recipe import Recipe
+from rl360.recipe import Recipe, ServeSection
 from rl360.serve.engines.replica import EngineReplica, ServeEngineClient
 from rl360.serve.engines.routing import SessionAffinityRouter
 from rl360.serve.sessions.auth import resolve_api_key
-from rl360.serve.sessions.http import SessionServer
+from rl360.serve.sessions.http import HTTP_REQUEST_TIMEOUT_S, SessionServer
 from rl360.serve.sessions.shard import SessionShard
 from rl360.weights.publisher import WeightPublisher
 
@@ -127,7 +127,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         )
     # Serve's controller, proxies and replicas start while the shards construct (tokenizer,
     # renderer); the session server finds them by name
-    serve.start(http_options={"host": s.host, "port": s.port}, proxy_location=s.proxy_location)
+    serve.start(http_options=http_options(s), proxy_location=s.proxy_location)
     if clock is not None:
         clock.mark("serve_start")
     engine_opts = placement.engine_deployment_options()  # num_replicas, ray_actor_options, ...
@@ -174,6 +174,14 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         stop_serving(handles)
         raise
     return handles
+
+
+def http_options(s: ServeSection) -> dict[str, Any]:
+    """Serve's HTTP options: where it listens and its end-to-end request timeout (the session
+    server answers a stuck shard with a 504 first; this ends what a stuck replica never
+    answers). Engine replicas get no HTTP traffic: every call to them is bounded by its caller
+    (ENGINE_CALL_TIMEOUT_S)."""
+    return {"host": s.host, "port": s.port, "request_timeout_s": HTTP_REQUEST_TIMEOUT_S}
 
 
 def _wait_running(app_name: str, timeout_s: float) -> None:

@@ -104,9 +104,13 @@ def test_full_versions_are_served_in_place_then_copied(ray_cluster, tiny_dir: Pa
                     assert fetched["slot"] == transport.last.get("slot", "")
                     borrowed.append(fetched["borrowed"])
                     slots.append(fetched["slot"])
-                    # a slot version after the first: the replica slept on the slot hinted
-                    # after the version before and loaded it from there
-                    assert fetched["watched"] == (fetched["slot"] != "" and version > 1)
+                    # a slot version after the first comes from the slot hinted after the
+                    # version before (slots == hints below), through whichever the replica
+                    # heard of first: its watch on that slot or the publisher's announcement,
+                    # which race by design (tests/weights/test_weight_slots.py wakes a watch
+                    # alone); without a hint there is no watch
+                    if not (fetched["slot"] and version > 1):
+                        assert not fetched["watched"]
                     if fetched["slot"]:  # the sender hints the next version's slot
                         hinted = _wait_hinted(pub)
                         hints.append(hinted)

@@ -8,7 +8,6 @@ checkpoint via `convert.hf_to_mcore` (then sliced per tensor-parallel rank).
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -43,12 +42,6 @@ class ParallelConfig:
         return self.tensor * self.pipeline * self.context * self.expert
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def on_gpu() -> bool:
     return torch.cuda.is_available()
 
@@ -68,9 +61,9 @@ def init_parallel(par: ParallelConfig, seed: int) -> None:
         cpu_shims.install()
     if not dist.is_initialized():
         backend = "nccl" if on_gpu() else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-            timeout=timedelta(seconds=600))
+        # one process: an in-memory store, no port to find (or to lose to another process)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=600))
     if on_gpu():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     world = dist.get_world_size()

@@ -51,6 +51,9 @@ RETRY_AFTER_S = "5"
 # the longest a request waits on its session shard (a chat call includes the generation); a
 # shard that takes longer is stuck, and the client gets a 504 instead of a request that hangs
 SHARD_REQUEST_TIMEOUT_S = 900.0
+# Serve's own end-to-end bound on an HTTP request (its proxies answer 408 past it): later than
+# the 504 above, so it only ends requests a session-server replica itself never answers
+HTTP_REQUEST_TIMEOUT_S = SHARD_REQUEST_TIMEOUT_S + 60.0
 
 
 class HttpError(Exception):
