@@ -22,7 +22,16 @@ where a version's time goes (median ms): the sender's pack (diff, checksums) and
 object store write) or send (flatten + gloo broadcast), with their CPU time; the slower
 replica's fetch (zero-copy get, or receiving the broadcast) and update (queueing for the
 engine loop + the in-place load: apply, with its CPU time); rest = RPC hops and scheduling.
-Last line:
+With `--lora [RANK]` (default 16) the workload is SmolLM2-135M-Instruct in fp32 instead and
+the transports are full versions (object store, the default slots; gloo) against adapter
+versions of a rank-RANK LoRA on its q/k/v/o/gate/up/down projections (trainer.lora: the
+sender in adapter mode, the replicas wrapping those projections at the first adapter version
+and loading each version's A and B after it): bytes a replica fetches per version and seconds
+per version, full against adapter, and their ratios. Last line then:
+{"bench": "weight_sync_lora", "ours": <adapter s/version>, "baseline": <full s/version>,
+ "ratio": ..., "bytes_ratio": <full bytes / adapter bytes>, ...}
+
+Last line (without --lora):
 {"bench": "weight_sync", "ours": <object store full GB/s>, "baseline": <memcpy GB/s>,
  "ratio": ..., "gloo_ratio": ..., "delta_ratio": ..., "copy_ratio": ..., ...}
 """
@@ -44,11 +53,31 @@ class StateSender:
     """Stands in for the trainer's rank 0 (rl360.actors.trainer_group.TrainerWorker): holds a
     state dict and sends it through the same code (rl360.weights.sender.WeightSender)."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, lora_rank: int = 0) -> None:
+        """`lora_rank` > 0: the sender is in adapter mode (trainer.lora), its state a LoRA
+        adapter of that rank on the model's 7 attention and MLP projections (B not zero, so
+        the engines' outputs change)."""
         import torch
         from safetensors.torch import load_file
 
         self.state = load_file(f"{model_dir}/model.safetensors")
+        self.adapter: Any = None
+        if lora_rank:
+            from rl360.policies.lora import LoraSpec
+            from rl360.recipe import LORA_TARGETS
+
+            self.adapter = LoraSpec(lora_rank, 2.0 * lora_rank, 0.0, LORA_TARGETS)
+            g = torch.Generator().manual_seed(0)
+            lora = {}
+            for k, v in self.state.items():
+                if k.endswith(".weight") and ".layers." in k and v.dim() == 2 and \
+                        k.split(".")[-2] in LORA_TARGETS:
+                    mod = k.removesuffix(".weight")
+                    lora[f"{mod}.lora_A.weight"] = torch.randn(lora_rank, v.shape[1],
+                                                               generator=g) * 0.01
+                    lora[f"{mod}.lora_B.weight"] = torch.randn(v.shape[0], lora_rank,
+                                                               generator=g) * 0.01
+            self.state = lora
         self.group: Any = None  # the WeightSender of the gloo transport
         self.senders: dict[str, Any] = {}  # the object store's, per packer's settings
         self.gen = torch.Generator().manual_seed(0)
@@ -82,9 +111,10 @@ class StateSender:
 
         if isinstance(call, Pack):
             key = json.dumps(call.packer, sort_keys=True)
-            return self.senders.setdefault(key, WeightSender(lambda: self.state)).handle(call)
+            return self.senders.setdefault(
+                key, WeightSender(lambda: self.state, adapter=self.adapter)).handle(call)
         if self.group is None:
-            self.group = WeightSender(lambda: self.state)
+            self.group = WeightSender(lambda: self.state, adapter=self.adapter)
         t0, c0 = time.perf_counter(), time.process_time()
         out = self.group.handle(call)
         if isinstance(call, Send):
@@ -175,7 +205,12 @@ def main() -> None:
                          "the sender makes its 3 weight slots in the first 3 versions)")
     ap.add_argument("--changed", type=float, default=0.01,
                     help="fraction of elements a delta version changes")
+    ap.add_argument("--lora", type=int, nargs="?", const=16, default=0, metavar="RANK",
+                    help="SmolLM2: full versions against adapter versions of this rank")
     args = ap.parse_args()
+    if args.lora:
+        lora_main(args)
+        return
 
     import ray
 
@@ -282,6 +317,89 @@ def main() -> None:
         **{f"{k}_breakdown_ms": v["breakdown_ms"] for k, v in results.items()},
         "state_mb": round(nbytes / 1e6, 1), "replicas": 2, "runs": args.runs,
         "loadavg": [float(x) for x in load]}))
+
+
+def lora_main(args: argparse.Namespace) -> None:
+    """--lora: full versions against adapter versions on SmolLM2 (see the module docstring)."""
+    import ray
+
+    from rl360.launch.serve_app import start_serving, stop_serving
+    from rl360.policies.loading import resolve_model_path
+    from rl360.ray_session import ray_session
+    from rl360.recipe import apply_overrides, decode_recipe
+    from rl360.weights.slots import writer_env
+
+    model_dir = str(resolve_model_path("smollm2"))
+    recipe = decode_recipe(apply_overrides({}, [
+        "model.path='smollm2'", "engine.replicas=2", "engine.num_cpus=0.5"]))
+    results: dict[str, dict[str, Any]] = {}
+    with ray_session(num_cpus=2, dashboard=False, namespace="rl360-bench"):
+        opts = {"num_cpus": 0, "runtime_env": {"env_vars": writer_env()}}
+        senders = {"full": ray.remote(StateSender).options(**opts).remote(model_dir),
+                   "lora": ray.remote(StateSender).options(**opts).remote(model_dir, args.lora)}
+        sizes = {k: ray.get(v.nbytes.remote()) for k, v in senders.items()}
+        print(f"workload: SmolLM2-135M-Instruct fp32, {sizes['full'] / 1e6:.1f} MB of weights; "
+              f"a rank-{args.lora} adapter on q/k/v/o/gate/up/down: {sizes['lora'] / 1e6:.1f} "
+              f"MB; 2 torch engine replicas on one node; {args.warmup} warm-up + {args.runs} "
+              "timed versions per transport; the Serve app is started afresh for the adapter "
+              "transports (a replica joins one gloo group)", flush=True)
+        for kind in ("full", "lora"):
+            serving = start_serving(recipe)
+            try:
+                _lora_phase(args, serving, senders[kind], kind, sizes[kind], results)
+            finally:
+                stop_serving(serving)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    med = {k: v["seconds"]["median"] for k, v in results.items()}
+    bytes_ratio = sizes["full"] / sizes["lora"]
+    print(f"bytes per version: full {sizes['full'] / 1e6:.1f} MB, adapter {sizes['lora'] / 1e6:.2f} "
+          f"MB: {bytes_ratio:.1f}x fewer")
+    for t in ("object_store", "gloo"):
+        print(f"{t}: adapter {med[t + '_lora'] * 1e3:.1f} ms a version against full "
+              f"{med[t + '_full'] * 1e3:.1f} ms ({med[t + '_lora'] / med[t + '_full']:.3f} x)")
+    print(f"load average: {' '.join(load)} (2 shared cores: figures are noisy)")
+    print(json.dumps({
+        "bench": "weight_sync_lora", "ours": round(med["object_store_lora"], 4),
+        "baseline": round(med["object_store_full"], 4),
+        "ratio": round(med["object_store_lora"] / med["object_store_full"], 4),
+        "gloo_ratio": round(med["gloo_lora"] / med["gloo_full"], 4),
+        "bytes_ratio": round(bytes_ratio, 2), "rank": args.lora,
+        "full_mb": round(sizes["full"] / 1e6, 2), "adapter_mb": round(sizes["lora"] / 1e6, 2),
+        **{f"{k}_s": v["seconds"] for k, v in results.items()},
+        "replicas": 2, "runs": args.runs, "loadavg": [float(x) for x in load]}))
+
+
+def _lora_phase(args: argparse.Namespace, serving: Any, sender: Any, kind: str, nbytes: int,
+                results: dict[str, dict[str, Any]]) -> None:
+    """Time `kind` ("full" or "lora") versions over the object store, then gloo."""
+    import ray
+
+    from rl360.recipe import ObjectStoreSync
+    from rl360.weights.transports import CollectiveTransport, ObjectStoreTransport
+
+    transports = {f"object_store_{kind}": ObjectStoreTransport(serving, sender, ObjectStoreSync()),
+                  f"gloo_{kind}": CollectiveTransport(serving, sender, replicas=2)}
+    version = 0
+    for name, transport in transports.items():
+        times, moved = [], []
+        for run in range(args.warmup + args.runs):
+            ray.get(sender.bump.remote(1.0))
+            version += 1
+            t0 = time.perf_counter()
+            served = Served(serving.publisher.wait_applied.remote(version, 2, 600.0))
+            assert transport.publish(version), f"{name}: version {version} refused"
+            got, dt = served.result(t0)
+            assert got >= version, f"replicas serve {got}, expected {version}"
+            if run >= args.warmup:
+                times.append(dt)
+                last = getattr(transport, "last", {}) or {}
+                moved.append(int(last.get("nbytes", nbytes)))
+        results[name] = {"seconds": stats(times), "moved_mb": statistics.median(moved) / 1e6}
+        sec = results[name]["seconds"]
+        print(f"{name:>18}: {sec['median'] * 1e3:8.1f} ms median ({sec['min'] * 1e3:.1f}-"
+              f"{sec['max'] * 1e3:.1f}); moved {results[name]['moved_mb']:.2f} MB per "
+              "replica per version", flush=True)
 
 
 if __name__ == "__main__":

@@ -293,8 +293,11 @@ class LoraSection(_S):
     update of a target projection is (alpha / rank) * B @ A with A [rank, in], B [out, rank];
     the base stays frozen and is the KL reference (adapters off). Checkpoints hold the adapter
     alone (peft's files) plus the trainer state. `targets` are last name components of the
-    decoder layers' linear projections (`rl360 recipe check` compares them with the model's)."""
+    decoder layers' linear projections (`rl360 recipe check` compares them with the model's).
+    `enabled = false` turns a recipe's adapters off (`--set trainer.lora.enabled=false`: full
+    fine-tuning of the same recipe)."""
 
+    enabled: bool = True
     rank: Annotated[int, Meta(ge=1, le=1024)] = 16
     alpha: Annotated[float, Meta(gt=0.0, le=65536.0)] = 32.0
     dropout: Annotated[float, Meta(ge=0.0, lt=1.0)] = 0.0
@@ -362,6 +365,8 @@ class TrainerSection(_S):
     lora: LoraSection | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and not self.lora.enabled:
+            self.lora = None  # off: the trainer and everything after it see no adapters
         if self.lora is not None and self.backend == "megatron":
             raise ValueError("lora: the megatron backend trains every weight; use backend "
                              "'torch' or 'fsdp' for adapters")
@@ -555,6 +560,20 @@ class Recipe(_S):
                              "place; engine.core_process = true loads whole versions (set one "
                              "of them to false)")
         sync = self.train.weight_sync
+        if self.trainer.lora is not None and getattr(sync, "delta", False):
+            raise ValueError("train.weight_sync.delta = true: with trainer.lora a version is the "
+                             "adapter alone, sent whole (set delta = false)")
+        if self.trainer.lora is not None and isinstance(sync, CollectiveSync) and (
+                sync.backend != "gloo" or sync.layout != "auto"):
+            raise ValueError("train.weight_sync: adapter versions (trainer.lora) go through "
+                             "transport 'object_store', or 'collective' with backend 'gloo' and "
+                             f"layout 'auto' (got backend {sync.backend!r}, layout "
+                             f"{sync.layout!r})")
+        sync = self.train.weight_sync
+        if self.trainer.lora is not None and self.engine.core_process:
+            raise ValueError("engine.core_process = true takes whole weight versions; with "
+                             "trainer.lora the versions are adapters, which the in-process "
+                             "torch engine serves (set engine.core_process = false)")
         if self.trainer.lora is not None and getattr(sync, "delta", False):
             raise ValueError("train.weight_sync.delta = true: with trainer.lora a version is the "
                              "adapter alone, sent whole (set delta = false)")

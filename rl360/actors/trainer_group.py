@@ -161,9 +161,15 @@ class TrainerWorker:
 
     def weights(self, call: SenderCall) -> Any:
         """Weight sync: run a transport's call on this rank's WeightSender
-        (rl360.weights.sender; rank 0 is the sender)."""
+        (rl360.weights.sender; rank 0 is the sender). With trainer.lora the sender sends
+        adapter versions: the adapter's tensors alone (rl360.weights.adapters)."""
         if self.weight_sender is None:
-            self.weight_sender = WeightSender(self._sync_state, self.state_dict_for_sync)
+            lora = getattr(self.trainer, "lora", None)
+            if lora is not None:
+                adapter = self.trainer.adapter_for_sync
+                self.weight_sender = WeightSender(adapter, adapter, adapter=lora)
+            else:
+                self.weight_sender = WeightSender(self._sync_state, self.state_dict_for_sync)
         return self.weight_sender.handle(call)
 
     def save(self, out_dir: str) -> str:

@@ -1,6 +1,6 @@
 """`trainer.lora` before a run: `rl360 recipe check` validates the adapter targets against the
 model's decoder-layer projections, `rl360 plan` prints what adapters change in memory and in a
-weight version.
+weight version, and `engine_for` gives the engine section vLLM / SGLang start with.
 
 A Llama-shaped model's projections come from its config.json alone (no torch); any other
 model is built from its config on the meta device. A model that is not on this machine is not
@@ -17,7 +17,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rl360.recipe import LoraSection, Recipe, RecipeError
+import msgspec
+
+from rl360.recipe import EngineSection, LoraSection, Recipe, RecipeError
+from rl360.serve.engines.support import adapter_options
 
 LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _TRAINER_BYTES = {"full": 16, "frozen": 4}  # per parameter, see the module docstring
@@ -113,3 +116,26 @@ def memory_lines(recipe: Recipe) -> list[str]:
         f"versions  {_mb(n_adapter * dtype)} of adapter a weight version against "
         f"{_mb(total * dtype)} full ({total / max(n_adapter, 1):.1f}x fewer bytes)",
     ]
+
+
+def engine_for(recipe: Recipe) -> EngineSection:
+    """recipe.engine with the options its backend needs at start to serve trainer.lora's
+    adapter versions (vLLM, SGLang: rl360.serve.engines.support.adapter_options); options the
+    recipe sets itself win."""
+    lora = recipe.trainer.lora
+    if lora is None:
+        return recipe.engine
+    extra = adapter_options(recipe.engine.backend, lora.rank, list(lora.targets))
+    if not extra:
+        return recipe.engine
+    return msgspec.structs.replace(recipe.engine, options={**extra, **recipe.engine.options})
+
+
+def version_params(recipe: Recipe) -> float:
+    """Parameters a weight version carries with trainer.lora (the adapter's; 0: no adapters,
+    or the model is not here to count them)."""
+    lora = recipe.trainer.lora
+    model_dir = _local_config(recipe) if lora is not None else None
+    if lora is None or model_dir is None:
+        return 0.0
+    return float(adapter_params(lora, projection_shapes(model_dir)))

@@ -7,7 +7,8 @@ The model (per step, workload = train.groups_per_batch x train.group_size episod
   generation = episodes x tokens_per_episode / (engine.replicas x engine_tokens_per_s), and
                no less than one episode's tokens at one sequence's decode speed
   training   = the same tokens / (trainer.workers x trainer_tokens_per_s)
-  weight sync = the measured sync_s, else model bytes / sync bandwidth (every sync_every steps)
+  weight sync = the measured sync_s, else model bytes (with trainer.lora the adapter's) / sync
+               bandwidth (every sync_every steps)
   step       = generation + training + sync when train.max_staleness = 0 (synchronous);
                else the slower of generation and training + sync (they overlap)
 Balance: GPU-seconds of rollout vs of training; the split of the same GPUs that makes them
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
+from rl360.launch.adapters import version_params
 from rl360.launch.throughput import Figures, _bytes_per_param
 from rl360.recipe import Recipe
 
@@ -42,8 +44,9 @@ class Estimate(msgspec.Struct, kw_only=True):
 def _sync_s(recipe: Recipe, f: Figures) -> float:
     if f.sync_s > 0:
         per = f.sync_s
-    else:
-        per = f.params * _bytes_per_param(recipe.model.dtype) / (f.sync_gb_per_s * 1e9)
+    else:  # with trainer.lora a version is the adapter alone
+        params = version_params(recipe) or f.params
+        per = params * _bytes_per_param(recipe.model.dtype) / (f.sync_gb_per_s * 1e9)
     return per / recipe.train.sync_every
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rl360.launch.adapters import engine_for
 from rl360.launch.roles import LocalPlacement
 from rl360.launch.startup import StartupClock
 from rl360.policies.loading import resolve_model_path
@@ -141,7 +142,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=5,
         logging_config={"enable_access_log": False},  # one line per token call is noise
-    ).bind(e, recipe.model, recipe.run.seed, (publisher_name, ns))
+    ).bind(engine_for(recipe), recipe.model, recipe.run.seed, (publisher_name, ns))
     server = serve.deployment(
         SessionServer,
         name="session-server",

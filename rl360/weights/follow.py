@@ -13,23 +13,35 @@ What an announcement holds, by transport:
 - a planned collective version (buckets over NCCL or gloo, or CUDA IPC): a CollectiveUpdate or
   IpcUpdate for an engine with its own weight group, else received here into a TensorUpdate
   (rl360.weights.collective_replica);
-- a gloo collective version: received here over the gloo group into a TensorUpdate;
+- a gloo collective version: received here over the gloo group into a TensorUpdate (an
+  AdapterUpdate when the payload describes an adapter);
+- an adapter version in the object store ({"kind": "adapter"}): fetched into an AdapterUpdate
+  (rl360.weights.adapters), its checksum checked;
 - a plain [ref] (a state dict the driver put): fetched into a TensorUpdate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from rl360.weights.payloads import PackedUpdate, SlotUpdate, TensorUpdate, WeightUpdate
+from rl360.weights.payloads import (
+    AdapterUpdate,
+    PackedUpdate,
+    SlotUpdate,
+    TensorUpdate,
+    WeightUpdate,
+)
 from rl360.weights.receiver import Intake, WeightReceiver
 
 if TYPE_CHECKING:
     from rl360.weights.slots import SlotReader
+
+log = logging.getLogger("rl360.weights")
 
 
 class SlotUnusable(Exception):
@@ -56,6 +68,7 @@ async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
     written it, before the publisher's announcement arrives."""
     # the replica's side needs torch; imported here so that importing this module (the
     # replica's, the session shards') does not spend seconds of start-up importing it
+    from rl360.weights.adapters import AdapterChecksumError
     from rl360.weights.collective_replica import replica_info
     from rl360.weights.slots import SlotReader, SlotWatch
 
@@ -109,6 +122,10 @@ async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
                     watch.stop()
                     watch = None
                 continue
+            except AdapterChecksumError as e:  # keep serving what it has; fetch it again
+                log.error("replica %s: %s", replica, e)
+                await asyncio.sleep(poll_s)
+                continue
             t1 = time.perf_counter()
             if await backend.update_weights(version, update):
                 have = version
@@ -134,11 +151,17 @@ async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
 
 
 async def receive(payload: Any, have: int, intake: Intake, rank: int, links: _Links
-                  ) -> tuple[WeightUpdate, PackedUpdate | None]:
+                  ) -> tuple[WeightUpdate, PackedUpdate | AdapterUpdate | None]:
     """(the update the engine takes for an announced version (see the module's docstring),
-    what was fetched of a packed chain: its detail goes into the applied report)."""
+    what was fetched of a packed chain or an adapter: its detail goes into the applied
+    report)."""
+    from rl360.weights.adapters import received_adapter, unpack_adapter
     from rl360.weights.collective_replica import gloo_state, gpu_state
     from rl360.weights.packing import fetch_update, packed_tensors
+
+    if isinstance(payload, dict) and payload.get("kind") == "adapter":  # object store
+        adapter = unpack_adapter(await payload["ref"])
+        return adapter, adapter
 
     if isinstance(payload, dict) and payload.get("kind") == "packed":  # object store, slots
         try:
@@ -151,6 +174,9 @@ async def receive(payload: Any, have: int, intake: Intake, rank: int, links: _Li
         return update, None
     if isinstance(payload, dict):  # collective: join the group once, then receive
         update, links.gloo = await gloo_state(payload, rank, links.gloo)
+        if payload.get("adapter"):
+            adapter = received_adapter(update.tensors, payload["adapter"])
+            return adapter, adapter
         return update, None
     return TensorUpdate(await payload[0]), None  # a state dict in the object store
 

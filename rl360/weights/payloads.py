@@ -15,6 +15,11 @@ protocol, rl360.weights.receiver) by its replica's follow loop (rl360.weights.fo
 - `CollectiveUpdate` ("collective"), `IpcUpdate` ("ipc"): a version an engine with a weight
   group of its own (SGLang) receives in its workers: the group's buckets, or CUDA IPC handles
   per tensor-parallel rank.
+- `AdapterUpdate` ("adapter"): a LoRA adapter version (`trainer.lora`): the engine serves its
+  own base weights (the model it loaded) plus this adapter. Complete by itself (no deltas): a
+  replica that missed versions loads the newest. Its tensors arrive through the object store
+  (`AdapterPacket`, rl360.weights.adapters) or the gloo collective, checked against the
+  sender's checksum before any engine sees them.
 
 A new kind of version (an adapter, say) is one more Struct with its own tag in the union, and
 a case in the engines that take it. Nothing here imports torch or numpy: the engine contract,
@@ -88,6 +93,24 @@ class DeltaPacket:
     checksums: list[int]  # per bucket, of the state after this delta
 
 
+@dataclass
+class AdapterPacket:
+    """An adapter version as the object store holds it: the adapter's shape (rank, alpha,
+    targets), its tensors' raw bits in `entries` order and the xxh3-64 of those bits."""
+
+    version: int
+    rank: int
+    alpha: float
+    targets: list[str]
+    entries: list[Entry]  # `<projection>.lora_A.weight` [r, in], `<projection>.lora_B.weight`
+    arrays: list[np.ndarray]
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays)
+
+
 class TensorUpdate(msgspec.Struct, tag="tensors"):
     """A full version as name -> tensor, copied into the engine's weights."""
 
@@ -151,7 +174,30 @@ class IpcUpdate(msgspec.Struct, tag="ipc"):
     serialized_per_rank: list[bytes]
 
 
-WeightUpdate = TensorUpdate | FullUpdate | SlotUpdate | DeltaUpdate | CollectiveUpdate | IpcUpdate
+class AdapterUpdate(msgspec.Struct, tag="adapter", kw_only=True):
+    """A LoRA adapter version: the engine's base weights plus (alpha / rank) * B @ A on every
+    projection named in `targets`; `tensors` maps `<projection>.lora_A.weight` ([rank, in]) and
+    `<projection>.lora_B.weight` ([out, rank]) to tensors (checked against `checksum`, the
+    sender's xxh3-64 of their raw bits, before the update was made)."""
+
+    rank: int
+    alpha: float
+    targets: list[str]
+    tensors: dict[str, Any]
+    checksum: int = 0
+    nbytes: int = 0  # bytes the replica fetched or received for it
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def detail(self) -> dict[str, Any]:
+        """What this replica fetched for the version (reported to the publisher)."""
+        return {"adapter": True, "full": False, "deltas": 0, "bytes": self.nbytes}
+
+
+WeightUpdate = (TensorUpdate | FullUpdate | SlotUpdate | DeltaUpdate | CollectiveUpdate
+                | IpcUpdate | AdapterUpdate)
 
 
 def refuse(backend: str, update: WeightUpdate, takes: str) -> TypeError:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from rl360.weights.payloads import TensorUpdate, WeightUpdate
+from rl360.weights.payloads import AdapterUpdate, TensorUpdate, WeightUpdate
 from rl360.weights.receiver import WeightChecksums
 
 if TYPE_CHECKING:
@@ -195,8 +195,9 @@ def held_checksums(held: Mapping[str, torch.Tensor], names: Iterable[str]) -> We
 
 def update_checksums(names: Iterable[str], update: WeightUpdate) -> WeightChecksums:
     """The checksums of an engine that cannot read its weights back: those of the tensors it
-    was handed (a TensorUpdate; nothing for other kinds)."""
-    return held_checksums(update.tensors if isinstance(update, TensorUpdate) else {}, names)
+    was handed (a TensorUpdate or an AdapterUpdate; nothing for other kinds)."""
+    held = update.tensors if isinstance(update, TensorUpdate | AdapterUpdate) else {}
+    return held_checksums(held, names)
 
 
 class Mismatch(msgspec.Struct):

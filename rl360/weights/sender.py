@@ -9,7 +9,13 @@ the rank's one remote method, `weights(call)`, with a `SenderCall`:
 - gloo collective: `Spec`, `OpenGroup`, then `Send` per version (rl360.weights.gloo);
 - GPU collective: `GpuUuid`, `OpenGroup` with a group name and `Send` with buckets (NCCL), or
   `Ipc` / `ReleaseIpc` when the engines share the sender's GPU (rl360.weights.nccl);
-- the checksum option: `Checksums` of what the sender sent.
+- the checksum option: `Checksums` of what the sender sent;
+- `Describe`: what a collective payload says of the version besides its tensors (an adapter's
+  shape and checksum; nothing for full versions).
+
+With `trainer.lora` the sender is in adapter mode (`adapter`: the adapter's rank, alpha and
+targets): its state is the adapter's tensors, `Pack` puts an adapter version
+(rl360.weights.adapters) and the gloo collective broadcasts the adapter.
 
 A bench or a test stands in for a trainer rank by holding a WeightSender over a state dict.
 `sender_env` is the environment the sender's process starts with.
@@ -18,12 +24,14 @@ A bench or a test stands in for a trainer rank by holding a WeightSender over a 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from rl360.recipe import ObjectStoreSync, WeightSync
+from rl360.weights.adapters import describe, pack_adapter, put_adapter
 from rl360.weights.gloo import GlooGroup, tensor_spec
 from rl360.weights.nccl import GroupSender, gpu_uuid
 from rl360.weights.packing import WeightPacker, make_sender, put_packet
@@ -81,6 +89,10 @@ class ReleaseIpc(msgspec.Struct, tag="release_ipc"):
     """Every engine copied the shared tensors: let them go."""
 
 
+class Describe(msgspec.Struct, tag="describe"):
+    """{"adapter": {rank, alpha, targets, checksum}} in adapter mode, else {}."""
+
+
 class Checksums(msgspec.Struct, tag="checksums"):
     """The sender's checksums, per name up to `limits[name]` elements, cast to `dtype`."""
 
@@ -88,7 +100,7 @@ class Checksums(msgspec.Struct, tag="checksums"):
     dtype: str | None
 
 
-SenderCall = Pack | Spec | OpenGroup | Send | GpuUuid | Ipc | ReleaseIpc | Checksums
+SenderCall = Pack | Spec | OpenGroup | Send | GpuUuid | Ipc | ReleaseIpc | Checksums | Describe
 
 
 class WeightSender:
@@ -96,11 +108,14 @@ class WeightSender:
 
     `views()`: the weights under HF names, views allowed (whoever sends copies them once anyway:
     into the object store, a weight slot or a socket). `snapshot()`: a copy safe to keep while
-    the trainer steps (the GPU paths, the spec and the checksums); `views` when not given."""
+    the trainer steps (the GPU paths, the spec and the checksums); `views` when not given.
+    `adapter`: adapter mode (rank, alpha, targets; rl360.policies.lora.LoraSpec), `views` then
+    gives the adapter's tensors."""
 
-    def __init__(self, views: State, snapshot: State | None = None) -> None:
+    def __init__(self, views: State, snapshot: State | None = None, adapter: Any = None) -> None:
         self.views = views
         self.snapshot = snapshot or views
+        self.adapter = adapter
         self._packer: WeightPacker | None = None
         self._slots: SlotWriter | None = None
         self._gloo: GlooGroup | None = None
@@ -125,6 +140,8 @@ class WeightSender:
                 return self.group().release_ipc()
             case Checksums(limits, dtype):
                 return self.group().checksums(limits, dtype)
+            case Describe():
+                return self.describe()
         raise TypeError(f"not a weight sender call: {call!r}")
 
     def pack(self, version: int, packer: dict[str, Any], publisher: Any = None
@@ -132,7 +149,13 @@ class WeightSender:
         """Put `version` into the object store as one packed object, full or a delta against
         the version before, and publish it to `publisher` when given; returns its metadata.
         `packer`: WeightPacker's settings and "slots" (the first call's are kept; full
-        versions served in place go through weight slots)."""
+        versions served in place go through weight slots). In adapter mode: the adapter
+        version, cast to the packer's dtype."""
+        if self.adapter is not None:
+            t0, c0 = time.perf_counter(), time.process_time()
+            packet = pack_adapter(version, self.adapter, self.views(), packer.get("dtype"))
+            timing = {"pack_s": time.perf_counter() - t0, "pack_cpu_s": time.process_time() - c0}
+            return {**put_adapter(packet, publisher), **timing}
         if self._packer is None:
             self._packer, self._slots = make_sender(packer)
         state = self.views()
@@ -141,6 +164,11 @@ class WeightSender:
             # the publisher lost the chain the delta extends (it restarted): send it full
             meta = put_packet(self._packer.repack_full(version, state), publisher)
         return meta
+
+    def describe(self) -> dict[str, Any]:
+        if self.adapter is None:
+            return {}
+        return {"adapter": describe(self.adapter, self.views())}
 
     def spec(self) -> list[tuple[str, list[int], str]]:
         return tensor_spec(dict(self.snapshot()))

@@ -9,6 +9,9 @@ WeightPublisher actor, which the replicas long-poll (rl360.weights.follow.follow
 - "collective": a gloo group (NCCL on GPUs) of the sender (rank 0) and every engine replica;
   the weights are flattened into one buffer per dtype and broadcast, then unflattened on the
   replicas. No object store copy at all.
+
+With `trainer.lora` the sender sends adapter versions (rl360.weights.adapters) through either
+(the collective on gloo): the same calls, the adapter's tensors instead of the weights.
 """
 
 from __future__ import annotations
@@ -19,7 +22,17 @@ from typing import Any, Protocol
 from rl360.ray_session import free_port
 from rl360.recipe import CollectiveSync, ObjectStoreSync, WeightSync
 from rl360.weights.plan import compare_checksums, plan_buckets
-from rl360.weights.sender import Checksums, GpuUuid, Ipc, OpenGroup, Pack, ReleaseIpc, Send, Spec
+from rl360.weights.sender import (
+    Checksums,
+    Describe,
+    GpuUuid,
+    Ipc,
+    OpenGroup,
+    Pack,
+    ReleaseIpc,
+    Send,
+    Spec,
+)
 
 
 class WeightTransport(Protocol):
@@ -76,6 +89,7 @@ class CollectiveTransport:
         self.spec: list[tuple[str, list[int], str]] | None = None
         self.last_reports: list[Any] = []  # SyncReport per replica after a checked sync
         self._gpu: dict[str, Any] | None = None  # the GPU path's payload, once planned
+        self._adapters: bool | None = None  # the sender sends adapter versions (once known)
 
     def publish(self, version: int) -> bool:
         if self.options.backend == "gloo" and self.options.layout == "auto":
@@ -90,7 +104,11 @@ class CollectiveTransport:
         import ray
 
         pub = self.serving.publisher
-        extra = {"checksum": True} if self.options.checksum else {}
+        extra: dict[str, Any] = {"checksum": True} if self.options.checksum else {}
+        if self._adapters is not False:  # an adapter version: its shape and checksum
+            described = ray.get(self.sender.weights.remote(Describe()))
+            self._adapters = bool(described)
+            extra |= described
         if not self.port:
             ranks = ray.get(pub.wait_registered.remote(self.replicas, 300.0))
             self.port = free_port(self.host)

@@ -64,3 +64,39 @@ def test_targets_the_model_lacks_are_refused_by_check_and_plan(tmp_path: Path) -
     plan = subprocess.run([sys.executable, "-m", "rl360", "plan", str(tmp_path / "r.toml")],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert plan.returncode == 2 and "trainer.lora.targets: 'c_attn'" in plan.stderr
+
+
+@pytest.mark.parametrize(("sets", "error"), [
+    (["trainer.backend='megatron'"], "megatron backend trains every weight"),
+    (["train.weight_sync={transport='object_store', delta=true}"], "sent whole"),
+    (["train.weight_sync={transport='collective', backend='nccl'}"], "backend 'gloo'"),
+    (["engine.core_process=true"], "engine.core_process = true takes whole weight versions"),
+    (["trainer.lora.rank=0"], r"trainer.lora.rank: expected an int in \[1, 1024\]"),
+    (["trainer.lora.targets=['q_proj', 'q_proj']"], "listed twice"),
+])
+def test_recipes_refuse_what_adapters_cannot_do(sets: list[str], error: str) -> None:
+    with pytest.raises(RecipeError, match=error):
+        load_recipe(REPO / "recipes" / "cpu-demo.toml", ["trainer.lora.rank=8", *sets])
+
+
+def test_adapters_can_be_switched_off_from_the_command_line() -> None:
+    on = load_recipe(REPO / "recipes" / "smollm2-tools.toml")
+    assert on.trainer.lora is not None and on.trainer.lora.rank == 16
+    off = load_recipe(REPO / "recipes" / "smollm2-tools.toml", ["trainer.lora.enabled=false"])
+    assert off.trainer.lora is None
+
+
+def test_vllm_and_sglang_engines_start_with_lora_for_the_adapters() -> None:
+    from rl360.launch.adapters import engine_for
+
+    for backend, want in (("vllm", {"enable_lora": True, "max_lora_rank": 16, "max_loras": 1}),
+                          ("sglang", {"enable_lora": True, "max_lora_rank": 16})):
+        r = load_recipe(REPO / "recipes" / "cpu-demo.toml",
+                        [f"engine.backend='{backend}'", "trainer.lora.rank=16",
+                         "engine.weight_update='drain'", "engine.options={max_loras=4}"])
+        opts = engine_for(r).options
+        assert {k: opts[k] for k in want if k != "max_loras"} == {
+            k: v for k, v in want.items() if k != "max_loras"}
+        assert opts["max_loras"] == 4  # the recipe's own option wins
+    plain = load_recipe(REPO / "recipes" / "cpu-demo.toml", ["trainer.lora.rank=16"])
+    assert engine_for(plain) == plain.engine  # the torch engine needs nothing at start

@@ -13,6 +13,7 @@ import torch
 from rl360.recipe import apply_overrides, decode_recipe
 from rl360.serve.engines.base import BACKENDS, CORE_PROCESS, EngineBackend
 from rl360.weights.payloads import (
+    AdapterUpdate,
     CollectiveUpdate,
     DeltaUpdate,
     FullUpdate,
@@ -27,7 +28,8 @@ from rl360.weights.receiver import WeightReceiver
 from rl360.weights.sender import Checksums, Send, Spec, WeightSender, sender_env
 from rl360.weights.slots import writer_env
 
-KINDS = [TensorUpdate, FullUpdate, SlotUpdate, DeltaUpdate, CollectiveUpdate, IpcUpdate]
+KINDS = [TensorUpdate, FullUpdate, SlotUpdate, DeltaUpdate, CollectiveUpdate, IpcUpdate,
+         AdapterUpdate]
 
 
 def test_every_torch_dtype_has_the_width_torch_gives_it() -> None:

@@ -19,6 +19,13 @@ engine contract (rl360.serve.engines.base.EngineBackend).
   (IpcUpdate) via the same call, pre-serialized; a collective update (CollectiveUpdate: NCCL
   group from trainer rank 0) via `init_weights_update_group` once and
   `update_weights_from_distributed` per bucket.
+- Adapter versions (`trainer.lora`, an AdapterUpdate): SGLang starts with LoRA on
+  (rl360.serve.engines.support.adapter_options: enable_lora, max_lora_rank,
+  lora_target_modules, max_loras_per_batch) and keeps its base weights; each version is written
+  as a peft directory and loaded under a name of its own (`load_lora_adapter`), new requests
+  carry that name (`lora_path`) from then on, and the previous adapter is unloaded
+  (`unload_lora_adapter`) once the last request that started with it has finished. No pause:
+  a running request keeps the adapter it started with, so its tokens have one version.
 - Around an update (options.pause_mode): "retract" (default) closes our gate to new requests,
   has SGLang's scheduler pause and put the running requests back in its queue
   (`pause_generation` mode=retract), applies the weights, flushes the prefix cache and
@@ -73,6 +80,7 @@ from rl360.serve.engines.sglang_mapping import (
 )
 from rl360.types import Generation, SamplingParams
 from rl360.weights.payloads import (
+    AdapterUpdate,
     CollectiveUpdate,
     IpcUpdate,
     TensorUpdate,
@@ -109,6 +117,10 @@ class SGLangBackend:
         self._started = time.monotonic()
         self._last_done = 0.0  # monotonic time the last generation finished
         self._aborts: set[asyncio.Task[None]] = set()
+        self._adapter: str | None = None  # the adapter new requests carry (its loaded name)
+        self._adapter_users: dict[str, int] = {}  # adapter name -> requests running with it
+        self._adapter_dir: str | None = None
+        self._adapters_on = False  # versions are adapters (the base weights never change)
 
     # ------------------------------------------------------------------ contract
 
@@ -127,15 +139,22 @@ class SGLangBackend:
         client = await self._ensure_client()
         rid = uuid.uuid4().hex
         async with self._gate.reading() as version:
+            adapter = self._adapter
+            if adapter is not None:
+                self._adapter_users[adapter] = self._adapter_users.get(adapter, 0) + 1
             t0 = time.perf_counter()
             try:
-                ret = await client.generate(list(prompt_ids), payload, rid)
+                ret = await client.generate(list(prompt_ids), payload, rid, adapter)
             except asyncio.CancelledError:
                 self._abort_soon(client, rid)
                 raise
             finally:
                 self._stats["busy_s"] += time.perf_counter() - t0
-            end_version = self._gate.version
+                if adapter is not None:
+                    self._release_adapter(client, adapter)
+            # with adapter versions the weights never change under a request (each keeps the
+            # adapter, or the base, it started with); full ones may (retract / in_place)
+            end_version = version if self._adapters_on else self._gate.version
         self._last_done = time.monotonic()
         gen = to_generation(ret, sampling, version)
         if end_version != version:  # swapped under it (retract / in_place)
@@ -196,8 +215,10 @@ class SGLangBackend:
         return Intake(own_group=True, group_width=self.tp)
 
     async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        if isinstance(update, AdapterUpdate):
+            return await self._update_adapter(version, update)
         if not isinstance(update, CollectiveUpdate | IpcUpdate | TensorUpdate):
-            raise refuse("sglang", update, "collective, ipc or tensor")
+            raise refuse("sglang", update, "collective, ipc, tensor or adapter")
         client = await self._ensure_client()
         flush = self.options.pause_mode != "in_place"  # SGLang cannot flush paused requests
         async with self._updating(client):
@@ -223,6 +244,68 @@ class SGLangBackend:
             self._stats["updates"] += 1
             log.info("weights -> version %d in %.3fs", version, time.perf_counter() - t0)
             return True
+
+    async def _update_adapter(self, version: int, update: AdapterUpdate) -> bool:
+        """Load an adapter version under its own name; new requests use it from now on."""
+        if not self._kwargs.get("enable_lora") and self.options.mode != "http":
+            raise ValueError("SGLang was started without LoRA support: adapter versions need "
+                             "engine.options enable_lora, max_lora_rank and lora_target_modules "
+                             "(rl360 train sets them from trainer.lora)")
+        if version <= self._gate.version:
+            log.warning("ignoring adapter version %d: this replica serves %d", version,
+                        self._gate.version)
+            return False
+        client = await self._ensure_client()
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(self._write_adapter, version, update)
+        name = f"rl360-v{version}"
+        check_result(await client.load_lora(name, path), f"load_lora_adapter ({name})")
+        old, self._adapter = self._adapter, name
+        self._adapters_on = True
+        self._gate.version = version  # requests admitted from here on carry `name`
+        if old is not None and not self._adapter_users.get(old):
+            await self._unload_adapter(client, old)
+        self._stats["updates"] += 1
+        log.info("adapter -> version %d in %.3fs", version, time.perf_counter() - t0)
+        return True
+
+    def _write_adapter(self, version: int, update: AdapterUpdate) -> str:
+        import tempfile
+        from pathlib import Path
+
+        from rl360.policies.lora import LoraSpec, save_adapter
+
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.mkdtemp(prefix="rl360-sglang-lora-")
+        spec = LoraSpec(rank=update.rank, alpha=update.alpha, targets=tuple(update.targets))
+        out = Path(self._adapter_dir) / f"rl360-v{version}"
+        save_adapter(out, update.tensors, spec, self.model_path)
+        return str(out)
+
+    def _release_adapter(self, client: Any, name: str) -> None:
+        """One request that ran with adapter `name` finished: unload it once it is stale and
+        unused (in a task of its own: the caller may be being cancelled)."""
+        left = self._adapter_users.get(name, 1) - 1
+        if left > 0:
+            self._adapter_users[name] = left
+            return
+        self._adapter_users.pop(name, None)
+        if name != self._adapter:
+            task = asyncio.get_running_loop().create_task(
+                self._unload_adapter(client, name), name=f"rl360-sglang-unload-{name}")
+            self._aborts.add(task)
+            task.add_done_callback(self._aborts.discard)
+
+    async def _unload_adapter(self, client: Any, name: str) -> None:
+        import shutil
+        from pathlib import Path
+
+        try:
+            check_result(await client.unload_lora(name), f"unload_lora_adapter ({name})")
+        except Exception as exc:  # it holds adapter memory, not correctness: log it
+            log.warning("sglang: %r", exc)
+        if self._adapter_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, Path(self._adapter_dir) / name, True)
 
     async def join_weight_group(self, host: str, port: int, rank_offset: int, world: int,
                                 group_name: str, backend: str = "nccl") -> None:
@@ -281,6 +364,10 @@ class SGLangBackend:
     async def close(self) -> None:
         for task in list(self._aborts):
             task.cancel()
+        if self._adapter_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()

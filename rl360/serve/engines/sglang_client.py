@@ -8,7 +8,8 @@
   already running (`url`) or one this client launches as a child process. Same native
   endpoints: /generate, /abort_request, /update_weights_from_tensor,
   /init_weights_update_group, /update_weights_from_distributed, /pause_generation,
-  /continue_generation, /get_weights_by_name, /health_generate. tests/serve/engines/
+  /continue_generation, /get_weights_by_name, /health_generate, /load_lora_adapter,
+  /unload_lora_adapter. tests/serve/engines/
   fake_sglang.py implements these (CPU), so this client is tested in `make test`.
 
 sglang is imported only inside these classes. Names follow sglang >= 0.5 (io_struct); where
@@ -32,7 +33,15 @@ log = logging.getLogger("rl360.engine.sglang")
 
 class SGLangClient(Protocol):
     async def generate(self, input_ids: list[int], sampling: dict[str, Any],
-                       rid: str) -> dict[str, Any]: ...
+                       rid: str, lora: str | None = None) -> dict[str, Any]:
+        """`lora`: the name of a loaded adapter to generate with (None: the base)."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> Any:
+        """Load the peft adapter directory `path` under `name` (load_lora_adapter)."""
+        ...
+
+    async def unload_lora(self, name: str) -> Any: ...
 
     async def abort(self, rid: str) -> Any: ...
 
@@ -85,9 +94,21 @@ class EngineClient:
         self.tm = self.engine.tokenizer_manager
 
     async def generate(self, input_ids: list[int], sampling: dict[str, Any],
-                       rid: str) -> dict[str, Any]:
+                       rid: str, lora: str | None = None) -> dict[str, Any]:
+        extra = {"lora_path": lora} if lora else {}
         return await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling,
-                                                return_logprob=True, rid=rid)
+                                                return_logprob=True, rid=rid, **extra)
+
+    async def load_lora(self, name: str, path: str) -> Any:
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
+
+        return await self.tm.load_lora_adapter(
+            LoadLoRAAdapterReqInput(lora_name=name, lora_path=path), None)
+
+    async def unload_lora(self, name: str) -> Any:
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        return await self.tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
 
     async def abort(self, rid: str) -> Any:
         out = self.tm.abort_request(rid=rid)
@@ -213,9 +234,18 @@ class HttpClient:
             return {"success": True, "message": await r.text()}
 
     async def generate(self, input_ids: list[int], sampling: dict[str, Any],
-                       rid: str) -> dict[str, Any]:
-        return await self._post("/generate", {"input_ids": input_ids, "sampling_params": sampling,
-                                              "return_logprob": True, "rid": rid})
+                       rid: str, lora: str | None = None) -> dict[str, Any]:
+        body = {"input_ids": input_ids, "sampling_params": sampling, "return_logprob": True,
+                "rid": rid}
+        if lora:
+            body["lora_path"] = lora  # SGLang takes a loaded adapter's name here
+        return await self._post("/generate", body)
+
+    async def load_lora(self, name: str, path: str) -> Any:
+        return await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora(self, name: str) -> Any:
+        return await self._post("/unload_lora_adapter", {"lora_name": name})
 
     async def abort(self, rid: str) -> Any:
         return await self._post("/abort_request", {"rid": rid})

@@ -21,7 +21,8 @@ that step decodes only the running rows: a running sequence waits for the swap p
 step, no more. `sync_log` / the `sync_pause_max_s` stat record, per swap, the longest gap
 between two tokens of a row that ran across it (measured on the engine thread). `"drain"` stops
 admitting, waits until the running rows finish, then swaps (every sequence has one version).
-Either way the prefix cache is cleared. The logprob of each token is its log-probability under the distribution it
+Either way the prefix cache is cleared. An adapter version (`trainer.lora`) swaps the same way:
+the base weights stay, the adapter's tensors go into place (rl360.serve.engines.torch_adapter). The logprob of each token is its log-probability under the distribution it
 was sampled from (after temperature, top-k and top-p; the raw distribution for greedy).
 """
 
@@ -52,10 +53,11 @@ from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.prefix_cache import PrefixCache
 from rl360.serve.engines.sampling import processed_logprobs, sample_rows
+from rl360.serve.engines.torch_adapter import EngineAdapter
 from rl360.serve.engines.torch_model import LlamaRunner
 from rl360.types import Generation, SamplingParams
 from rl360.weights.packing import apply_packed, own_weights
-from rl360.weights.payloads import PackedUpdate, TensorUpdate, WeightUpdate, refuse
+from rl360.weights.payloads import AdapterUpdate, PackedUpdate, TensorUpdate, WeightUpdate, refuse
 from rl360.weights.plan import held_checksums
 from rl360.weights.receiver import Intake, WeightChecksums
 
@@ -134,6 +136,7 @@ class TorchBackend:
         self.model = model
         self.tokenizer = tokenizer
         self.runner = LlamaRunner(model)
+        self.adapter = EngineAdapter(model)  # adapter versions (trainer.lora)
         self.prefix = PrefixCache(int(engine.prefix_cache_mb * 2**20))
         self._version = 0
         self._waiting = _WaitQueue()
@@ -196,8 +199,8 @@ class TorchBackend:
         return Intake(packed=True)  # packed versions load into its parameters in place
 
     async def update_weights(self, version: int, update: WeightUpdate) -> bool:
-        if not isinstance(update, PackedUpdate | TensorUpdate):
-            raise refuse("torch", update, "packed (full, slot, delta) or tensor")
+        if not isinstance(update, PackedUpdate | TensorUpdate | AdapterUpdate):
+            raise refuse("torch", update, "packed (full, slot, delta), tensor or adapter")
         self._ensure_started()
         assert self._wake is not None
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -349,6 +352,8 @@ class TorchBackend:
             try:
                 if isinstance(u.state, PackedUpdate):
                     apply_packed(u.state, self.model)
+                elif isinstance(u.state, AdapterUpdate):
+                    self.adapter.apply(u.state)
                 else:
                     self._load_state(u.state.tensors)
             except Exception as exc:

@@ -14,6 +14,12 @@
   requests, waits for the running ones, pauses the engine's scheduler (clearing the prefix
   cache, which holds KV computed with the old weights), loads, bumps the version and
   resumes.
+- Adapter versions (`trainer.lora`, an AdapterUpdate): the engine starts with vLLM's LoRA
+  support on (rl360.serve.engines.support.adapter_options: enable_lora, max_lora_rank,
+  max_loras = 1), keeps its base weights, and loads each version through vLLM's LoRA API: the
+  adapter is written as a peft directory (rl360.policies.lora.save_adapter) and reloaded in
+  place under one adapter id (`add_lora` with `load_inplace`), inside the same drain, pause and
+  prefix-cache reset as a full version; every request from then on carries that adapter.
 
 vLLM is imported only here (and only when this backend is built). Code that builds this
 backend in a plain script must do so under `if __name__ == "__main__":`: the engine core is
@@ -25,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -35,7 +43,7 @@ from rl360.recipe import EngineSection, ModelSection
 from rl360.serve.engines.base import check_prompt
 from rl360.serve.engines.vllm_worker import pack_state
 from rl360.types import Generation, SamplingParams
-from rl360.weights.payloads import TensorUpdate, WeightUpdate, refuse
+from rl360.weights.payloads import AdapterUpdate, TensorUpdate, WeightUpdate, refuse
 from rl360.weights.plan import update_checksums
 from rl360.weights.receiver import Intake, WeightChecksums
 
@@ -143,6 +151,8 @@ class VLLMBackend:
         self._update_lock: asyncio.Lock | None = None
         self._failure: BaseException | None = None
         self._hf_shapes: dict[str, tuple[int, ...]] | None = None
+        self._lora: Any = None  # the LoRARequest every request carries once an adapter is in
+        self._lora_dir: str | None = None  # where adapter versions are written for vLLM
         self._stats = {"requests": 0, "tokens": 0, "busy_s": 0.0, "updates": 0}
         self._started = time.monotonic()
 
@@ -169,7 +179,8 @@ class VLLMBackend:
             final = None
             # FINAL_ONLY: one RequestOutput, when the request finishes
             async for out in engine.generate(
-                TokensPrompt(prompt_token_ids=list(prompt_ids)), params, uuid.uuid4().hex
+                TokensPrompt(prompt_token_ids=list(prompt_ids)), params, uuid.uuid4().hex,
+                lora_request=self._lora,
             ):
                 final = out
         finally:
@@ -188,8 +199,10 @@ class VLLMBackend:
         return Intake()  # versions as tensors, loaded by the workers (vllm_worker)
 
     async def update_weights(self, version: int, update: WeightUpdate) -> bool:
+        if isinstance(update, AdapterUpdate):
+            return await self._update_adapter(version, update)
         if not isinstance(update, TensorUpdate):
-            raise refuse("vllm", update, "tensor (name -> tensor)")
+            raise refuse("vllm", update, "tensor (name -> tensor) or adapter")
         state = update.tensors
         engine = await self._ensure_started()
         assert self._update_lock is not None and self._open is not None
@@ -220,6 +233,55 @@ class VLLMBackend:
             self._stats["updates"] += 1
             log.info("weights -> version %d in %.3fs", version, time.perf_counter() - t0)
             return True
+
+    async def _update_adapter(self, version: int, update: AdapterUpdate) -> bool:
+        """Load an adapter version through vLLM's LoRA API (see the module docstring)."""
+        if not self.engine_cfg.options.get("enable_lora"):
+            raise ValueError("the vLLM engine was started without LoRA support: adapter "
+                             "versions need engine.options enable_lora and max_lora_rank "
+                             "(rl360 train sets them from trainer.lora)")
+        from vllm.lora.request import LoRARequest
+
+        engine = await self._ensure_started()
+        assert self._update_lock is not None and self._open is not None
+        assert self._drained is not None
+        async with self._update_lock:
+            if version <= self._version:
+                log.warning("ignoring adapter version %d: this replica already serves %d",
+                            version, self._version)
+                return False
+            t0 = time.perf_counter()
+            path = await asyncio.to_thread(self._write_adapter, version, update)
+            request = LoRARequest("rl360", 1, path, load_inplace=True)
+            self._open.clear()  # new requests wait; running ones finish on the old adapter
+            try:
+                await self._drained.wait()
+                await engine.pause_generation(mode="wait", clear_cache=True)
+                try:
+                    if not await engine.add_lora(request):
+                        raise RuntimeError(f"vLLM did not load adapter version {version}")
+                    old, self._lora = self._lora, request
+                    self._version = version
+                finally:
+                    await engine.resume_generation()
+            finally:
+                if not self._paused:
+                    self._open.set()
+            if old is not None and old.lora_path != path:
+                await asyncio.to_thread(shutil.rmtree, old.lora_path, True)
+            self._stats["updates"] += 1
+            log.info("adapter -> version %d in %.3fs", version, time.perf_counter() - t0)
+            return True
+
+    def _write_adapter(self, version: int, update: AdapterUpdate) -> str:
+        from rl360.policies.lora import LoraSpec, save_adapter
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="rl360-vllm-lora-")
+        spec = LoraSpec(rank=update.rank, alpha=update.alpha, targets=tuple(update.targets))
+        out = Path(self._lora_dir) / f"v{version}"
+        save_adapter(out, update.tensors, spec, self.model_path)
+        return str(out)
 
     async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
         return await asyncio.to_thread(update_checksums, names, update)
@@ -254,6 +316,8 @@ class VLLMBackend:
 
     async def close(self) -> None:
         engine, self._engine = self._engine, None
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
         if engine is not None:
             # (something inside vLLM keeps the AsyncLLM alive until interpreter exit, where its
             # __del__ repeats shutdown and prints an ignored TypeError: harmless noise)

@@ -11,7 +11,12 @@ http_server.py and io_struct.py; the behaviour is a model of it, not a copy:
   abort ends them with finish_reason abort; an aborted rid ends the same way;
 - weight updates bump `weights`; a flush (flush_cache) while in_place requests are paused
   fails as SGLang's does; `updates_while_running` counts updates that ran with requests
-  generating and the scheduler not paused (what pausing or draining must prevent).
+  generating and the scheduler not paused (what pausing or draining must prevent);
+- LoRA adapters: load_lora_adapter reads a peft directory (adapter_config.json and
+  adapter_model.safetensors, as SGLang does) under a new name (a name already loaded fails),
+  unload_lora_adapter drops it and fails while a request still generates with it; a request
+  whose `lora_path` names no loaded adapter is a 400; a token generated with an adapter has
+  logprob -(weights + 1 + 10 * its load number) / 100.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class _Req:
     rid: str
     aborted: bool = False
+    adapter: str = ""
 
 
 @dataclass
@@ -42,6 +48,9 @@ class FakeSGLang:
     running: dict[str, _Req] = field(default_factory=dict)
     updates_while_running: int = 0
     groups: set[str] = field(default_factory=set)
+    adapters: dict[str, int] = field(default_factory=dict)  # loaded name -> its load number
+    adapter_loads: int = 0
+    unloads_in_use: int = 0  # unload calls that found the adapter generating (must stay 0)
     tensors: dict[str, list[float]] = field(default_factory=dict)
     url: str = ""
     _resume: asyncio.Event = field(default_factory=asyncio.Event)
@@ -66,6 +75,8 @@ class FakeSGLang:
         app.router.add_post("/init_weights_update_group", self._init_group)
         app.router.add_post("/update_weights_from_distributed", self._update_from_distributed)
         app.router.add_post("/get_weights_by_name", self._get_weights)
+        app.router.add_post("/load_lora_adapter", self._load_lora)
+        app.router.add_post("/unload_lora_adapter", self._unload_lora)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -85,8 +96,10 @@ class FakeSGLang:
 
     # ------------------------------------------------------------------ generation
 
-    async def _run(self, input_ids: list[int], sp: dict[str, Any], rid: str) -> dict[str, Any]:
-        req = self.running.setdefault(rid, _Req(rid))
+    async def _run(self, input_ids: list[int], sp: dict[str, Any], rid: str,
+                   adapter: str = "") -> dict[str, Any]:
+        req = self.running.setdefault(rid, _Req(rid, adapter=adapter))
+        bump = 10 * self.adapters[adapter] if adapter else 0
         stops = set(sp.get("stop_token_ids") or [])
         out: list[tuple[float, int, None]] = []
         finish: dict[str, Any] = {"type": "length", "length": int(sp["max_new_tokens"])}
@@ -98,7 +111,7 @@ class FakeSGLang:
                     finish = {"type": "abort", "message": "aborted"}
                     break
                 tok = (input_ids[-1] + 1 + i) % self.vocab
-                out.append((-(self.weights + 1) / 100, tok, None))
+                out.append((-(self.weights + 1 + bump) / 100, tok, None))
                 if tok in stops:
                     finish = {"type": "stop", "matched": tok}
                     break
@@ -116,7 +129,11 @@ class FakeSGLang:
                                                "rid are required"}, status=400)
         if rid in self.running:
             return web.json_response({"error": f"duplicate rid {rid}"}, status=400)
-        ans = await self._run(list(ids), sp, rid)
+        adapter = body.get("lora_path") or ""
+        if adapter and adapter not in self.adapters:
+            return web.json_response({"error": f"LoRA adapter {adapter!r} is not loaded"},
+                                     status=400)
+        ans = await self._run(list(ids), sp, rid, adapter)
         if not body.get("return_logprob"):
             ans["meta_info"].pop("output_token_logprobs")
         return web.json_response(ans)
@@ -187,6 +204,31 @@ class FakeSGLang:
         if not (len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])):
             return web.json_response({"success": False, "message": "names/dtypes/shapes"})
         return web.json_response(self._apply(bool(body.get("flush_cache", True))))
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        from pathlib import Path
+
+        body = await self._body(request)
+        name, path = body.get("lora_name"), Path(str(body.get("lora_path")))
+        if name in self.adapters:
+            return web.json_response({"success": False,
+                                      "message": f"adapter {name!r} is already loaded"})
+        if not ((path / "adapter_config.json").is_file()
+                and (path / "adapter_model.safetensors").is_file()):
+            return web.json_response({"success": False, "message": f"no peft adapter at {path}"})
+        self.adapter_loads += 1
+        self.adapters[str(name)] = self.adapter_loads
+        return web.json_response({"success": True, "message": "loaded"})
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        name = body.get("lora_name")
+        if any(r.adapter == name for r in self.running.values()):
+            self.unloads_in_use += 1
+            return web.json_response({"success": False, "message": f"{name!r} is in use"})
+        if self.adapters.pop(str(name), None) is None:
+            return web.json_response({"success": False, "message": f"{name!r} is not loaded"})
+        return web.json_response({"success": True, "message": "unloaded"})
 
     async def _get_weights(self, request: web.Request) -> web.Response:
         body = await self._body(request)
