@@ -7,7 +7,10 @@ verifier (check.py) compares the agent's work dir against values computed here, 
 pristine inputs; it never runs or imports what the agent wrote.
 
 Families (each needs the tools: the answer is in a file the model has not seen, or the job is
-a change to the sandbox's files):
+a change to the sandbox's files). Where SmolLM2-135M-Instruct does not reach for the right
+command by itself (counting, searching, running a script, editing), the instruction names the
+command; the model still has to write the whole command line (arguments, file names,
+redirection) and act on what it reads:
 - count_lines: write the number of lines of a file to answer.txt
 - run_script: run a Python script and save what it prints
 - grep_lines: save the lines of a log that contain a word
@@ -77,7 +80,7 @@ def count_lines(rng: random.Random) -> Instance:
     text = "".join(_line(rng) + "\n" for _ in range(n))
     return Instance(
         "count_lines",
-        f"Count the lines in the file {f} and write the number to answer.txt.",
+        f"Count the lines in the file {f} with wc and write the number to answer.txt.",
         {f: text}, f"wc -l < {f} > answer.txt",
         {"kind": "number", "path": "answer.txt", "value": n})
 
@@ -93,7 +96,7 @@ def run_script(rng: random.Random) -> Instance:
             f"print('{word}', total)\n")
     return Instance(
         "run_script",
-        f"Run the Python script {s} and save what it prints to {out}.",
+        f"Run the Python script {s} with python3 and save what it prints to {out}.",
         {s: code}, f"python3 {s} > {out}",
         {"kind": "text", "path": out, "value": f"{word} {sum(nums) * k}"})
 
@@ -110,7 +113,7 @@ def grep_lines(rng: random.Random) -> Instance:
             break
     return Instance(
         "grep_lines",
-        f"Write every line of {f} that contains {level} to {out}.",
+        f"Use grep to write every line of {f} that contains {level} to {out}.",
         {f: "".join(ln + "\n" for ln in lines)}, f"grep {level} {f} > {out}",
         {"kind": "lines", "path": out, "value": hits})
 
@@ -155,7 +158,7 @@ def json_edit(rng: random.Random) -> Instance:
     key = rng.choice(keys)
     new = doc[key] + rng.randint(1, 99)
     return Instance(
-        "json_edit", f"In the JSON file {f}, set {key} to {new}.",
+        "json_edit", f"In the JSON file {f}, set {key} to {new} (python3 can edit JSON).",
         {f: json.dumps(doc, indent=2) + "\n"},
         f"python3 -c \"import json; d = json.load(open('{f}')); d['{key}'] = {new}; "
         f"json.dump(d, open('{f}', 'w'), indent=2)\"",
@@ -179,7 +182,7 @@ def fix_bug(rng: random.Random) -> Instance:
     return Instance(
         "fix_bug",
         f"The script {s} should print {what} {va} and {vb} ({want}). It has a one-character "
-        f"bug. Fix the bug in {s}.",
+        f"bug. Fix the bug in {s} (sed -i can replace text in a file).",
         {s: code}, f"sed -i 's/{va} {wrong} {vb}/{va} {right} {vb}/' {s}",
         {"kind": "python_ast", "path": s, "value": fixed})
 
