@@ -19,7 +19,7 @@ from rl360.envs.tools import ToolBox
 from rl360.types import FunctionCall, Message, Task, ToolCall
 
 pytestmark = pytest.mark.timeout(120)
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "harbor"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "harbor"
 
 
 def call(name: str, **args: object) -> ToolCall:

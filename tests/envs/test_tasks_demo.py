@@ -1,5 +1,5 @@
-"""Every shipped demo task's reference solution, run through the real sandbox, scores 1.0; a
-wrong solution scores less."""
+"""Every shipped example task's reference solution (the demo's code tasks, the showcase Harbor
+tasks), run through the real sandbox, scores 1.0; a wrong solution scores less."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rl360.types import FunctionCall, Message, ToolCall
 
 pytestmark = pytest.mark.timeout(120)
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"
-MORE = Path(__file__).resolve().parents[2] / "examples" / "harbor"  # showcase tasks beyond the demo
+MORE = Path(__file__).resolve().parents[2] / "examples" / "harbor"  # showcase Harbor tasks
 TASKS = list(iter_tasks(EXAMPLES)) + list(iter_tasks(MORE))
 CODE = [t for t in TASKS if t.kind == "code"]
 HARBOR = [t for t in TASKS if t.kind == "harbor"]
