@@ -42,6 +42,10 @@ def resolve_model_path(model: str) -> Path:
     if model == "smollm2":
         return _cached("smollm2-135m-instruct", _convert_smollm2)
     path = Path(model).expanduser()
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        raise ModelNotFound(
+            f"model {model!r} is a LoRA adapter, not a model: merge it into its base first "
+            f"(rl360 merge --adapter {model} --out DIR)")
     if not (path / "config.json").is_file():
         raise ModelNotFound(
             f"model {model!r}: not 'tiny', 'smollm2' or a directory with config.json"

@@ -239,3 +239,11 @@ def test_fsdp_adapters_step_like_torch_and_resume(
     fsdp.load(ckpt)
     assert fsdp.train_step(nxt)["loss"] == m1["loss"]
     assert all(torch.equal(v, w1[k]) for k, v in fsdp.adapter_for_sync().items())
+
+
+def test_an_adapter_directory_is_not_a_model_path(tiny_dir: Path, tmp_path: Path) -> None:
+    from rl360.policies.loading import ModelNotFound, resolve_model_path
+
+    ckpt = TorchTrainer(lora_cfg(), tiny_dir).save(tmp_path / "ad")
+    with pytest.raises(ModelNotFound, match="is a LoRA adapter, not a model: merge it"):
+        resolve_model_path(str(ckpt))
