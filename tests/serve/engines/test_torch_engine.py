@@ -147,10 +147,10 @@ async def test_pause_holds_new_batches(lm) -> None:  # type: ignore[no-untyped-d
 def test_batches_are_split_by_prompt_length() -> None:
     import asyncio as aio
 
-    from rl360.serve.engines.torch_backend import _Request, split_by_length
+    from rl360.serve.engines.torch_requests import Request, split_by_length
 
     loop = aio.new_event_loop()
-    reqs = [_Request([1] * n, SamplingParams(), loop.create_future()) for n in (80, 2000, 90, 120, 1900)]
+    reqs = [Request([1] * n, SamplingParams(), loop.create_future()) for n in (80, 2000, 90, 120, 1900)]
     chunks = split_by_length(reqs)
     assert [[len(r.prompt_ids) for r in c] for c in chunks] == [[80, 90, 120], [1900, 2000]]
     loop.close()
