@@ -21,12 +21,14 @@ both are reported in `protections` (and so in the run's metrics and `rl360 prefl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Sequence
@@ -74,6 +76,7 @@ FORBIDDEN_WORKDIRS = ("/", "/usr", "/etc", "/proc", "/dev", "/tmp", "/bin", "/li
 # processes the sandbox itself adds to the pids count: bwrap's monitor, the exec server, its
 # warm template and, during a warm exec, the template's short-lived middle process
 BWRAP_OVERHEAD_PROCS = 4
+INSIDE_EXIT_S = 5.0  # closing: how long bwrap may take to exit once the sandbox's init is killed
 
 
 @functools.cache
@@ -296,6 +299,19 @@ class BwrapSandbox(ServedSandbox):
         assert self._proc is not None
         self._net = UserNet()
         await self._net.attach(child_pid(self._proc.pid))
+
+    async def _stop_inside(self, proc: asyncio.subprocess.Process) -> None:
+        """SIGKILL the sandbox's init (the exec server, pid 1 of its namespace): the kernel
+        kills and reaps everything else inside, and bwrap, its parent, reaps it and exits. Only
+        then is bwrap gone; killing both at once left the init to the host's init to reap."""
+        try:
+            inner = child_pid(proc.pid)
+        except (OSError, RuntimeError, ValueError):
+            return  # the launcher is gone, or bwrap never forked
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(inner, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), INSIDE_EXIT_S)
 
     async def _teardown(self) -> None:
         if self._net is not None:

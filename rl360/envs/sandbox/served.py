@@ -179,6 +179,7 @@ class ServedSandbox(Sandbox):
             self._chan = None
         proc, self._proc = self._proc, None
         if proc is not None:
+            await self._stop_inside(proc)
             # the launcher leads its own process group; no proc.kill(): Popen.send_signal polls
             # first and may reap the child under asyncio's child watcher
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -190,3 +191,9 @@ class ServedSandbox(Sandbox):
                     "%s: launcher pid %d did not exit after SIGKILL", self.sandbox_id, proc.pid
                 )
         await self._teardown()
+
+    async def _stop_inside(self, proc: asyncio.subprocess.Process) -> None:
+        """Stop what runs under the launcher so that the launcher reaps it and exits by itself
+        (bwrap: the sandbox's init); the default stops nothing here. A process whose parent dies
+        unreaped goes to the host's init, which may reap it late or never: a zombie per sandbox
+        (seen in a VM whose init reaps lazily, uid 65534, parent 1)."""
