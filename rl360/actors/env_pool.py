@@ -119,6 +119,7 @@ class EnvActor(GroupRollout):
         self.verify_cache = _LRU(50_000)
         self.grading = GradingPool(self.WARM_SANDBOXES, self.WARM_MAX_USES)
         self._tasks: set[asyncio.Task[Any]] = set()  # clean-ups that outlive their episode
+        self._sandboxes: set[Any] = set()  # the episodes' sandboxes, until each is closed
 
     def _background(self, coro: Any, name: str) -> asyncio.Task[Any]:
         """`coro` (one that logs its own failures) as a named task this actor holds until it
@@ -185,6 +186,7 @@ class EnvActor(GroupRollout):
                     env = build_env_for(self.cfg.env, self.cfg.params, task.kind)
                     env.services = self.services
                 sandbox = self._sandbox_for(env, task, limits)
+                self._sandboxes.add(sandbox)
                 if self.cfg.agent_fn:
                     client = _openai_client(self.base_url, sid, token)
                     result = await run_agent_fn(resolve(self.cfg.agent_fn), task, client, sandbox,
@@ -220,6 +222,7 @@ class EnvActor(GroupRollout):
                 t_clean = time.monotonic()
                 if sandbox is not None:
                     await _quietly(sandbox.close())
+                    self._sandboxes.discard(sandbox)
                 if env is not None:
                     await _quietly(env.close())
                 cleanup_s = time.monotonic() - t_clean
@@ -264,6 +267,12 @@ class EnvActor(GroupRollout):
         return self.running
 
     async def close(self) -> None:
+        """Close every sandbox this actor holds, the episodes' still running too: a run that
+        stops (its circuit breaker, Ctrl-C, an error) closes its env actors before killing
+        them, and a sandbox closed here has every process of it reaped, none left to the host's
+        init (a killed actor's sandboxes die with it but are reaped by that init)."""
+        open_now, self._sandboxes = list(self._sandboxes), set()
+        await asyncio.gather(*(_quietly(sb.close()) for sb in open_now))
         await _quietly(self.grading.close())
 
 
