@@ -23,39 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import math
-import random
-import re
 import statistics
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import ray
 
+from rl360.actors.breaker import CircuitBreaker
 from rl360.actors.env_pool import cancel_episodes
 from rl360.actors.parking import TaskParking
 from rl360.actors.reward_stats import task_domain
-from rl360.envs.tasks import iter_tasks
+from rl360.actors.task_stream import task_stream
 from rl360.recipe import TrainSection
 from rl360.types import EpisodeRecord, Task
 
 LOST_COOLDOWN_S = 30.0
 
 log = logging.getLogger("rl360.controller")
-
-
-def _reason_key(error: str) -> str:
-    """A failure reason with its ids and numbers blanked (sandbox names, pids, ports), so the
-    breaker's top reasons group the same failure together."""
-    return _IDS.sub("#", error)[:160]
-
-
-_IDS = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{4,}\b|(?<![A-Za-z0-9])\d+")
 
 
 class ControllerFailed(RuntimeError):
@@ -80,41 +68,6 @@ class _Group:
         self.reruns = [0] * len(self.records)
 
 
-def _task_stream(paths: list[str], limit: int, window: int = 0, seed: int = 0) -> Iterator[Task]:
-    """The tasks of `paths` (the first `limit` of each pass when > 0), pass after pass. With
-    `window` > 0 each pass is shuffled through a buffer of that many tasks (a full shuffle
-    when the pass is no longer than the window), seeded by (seed, pass): the same seed gives
-    the same stream, which is what a resume's skip-ahead relies on."""
-    for n_pass in itertools.count():
-        rng = random.Random(f"{seed}:{n_pass}")
-        pool: list[Task] = []
-        n = 0
-        for t in _one_pass(paths, limit):
-            n += 1
-            if window <= 0:
-                yield t
-                continue
-            pool.append(t)
-            if len(pool) >= window:
-                i = rng.randrange(len(pool))
-                pool[i], pool[-1] = pool[-1], pool[i]
-                yield pool.pop()
-        rng.shuffle(pool)
-        yield from pool
-        if n == 0:
-            raise ValueError(f"no tasks in {paths}")
-
-
-def _one_pass(paths: list[str], limit: int) -> Iterator[Task]:
-    n = 0
-    for p in paths:  # the files are re-read each pass, never loaded whole
-        for t in iter_tasks(p):
-            yield t
-            n += 1
-            if limit and n >= limit:
-                return
-
-
 class RolloutController:
     def __init__(self, config: TrainSection, engine_replicas: int, env_actors: list[Any],
                  buffer: Any, publisher: Any, seed: int = 0) -> None:
@@ -126,7 +79,7 @@ class RolloutController:
         self.env_actors = env_actors
         self.buffer = buffer
         self.publisher = publisher
-        self.tasks = _task_stream(self.cfg.tasks, self.cfg.task_limit, self.cfg.shuffle_window, seed)
+        self.tasks = task_stream(self.cfg.tasks, self.cfg.task_limit, self.cfg.shuffle_window, seed)
         # (task, first batch index it may run in, its stream position)
         self.requeued: collections.deque[tuple[Task, int, int]] = collections.deque()
         self.inflight: dict[str, _Group] = {}
@@ -147,15 +100,13 @@ class RolloutController:
         self._tail_task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
-        self._all_infra_in_a_row = 0
         self._lost_at: dict[int, float] = {}  # env actor index -> when it last lost an episode
         self._handoff = asyncio.Lock()
         # task id -> the env actor its groups run on (task affinity: the actor's verify cache
         # then holds that task's earlier answers, so an answer seen in an earlier step is not
         # graded again); assigned round robin at first sight, bounded
         self._home: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._window: collections.deque[bool] = collections.deque(maxlen=config.breaker_window)
-        self._reasons: collections.Counter[str] = collections.Counter()
+        self.breaker = CircuitBreaker(config)
         self._rr = 0
         self._t0 = time.monotonic()  # rolling start: when the controller started, and its seq
         self._seq0 = 0
@@ -401,24 +352,10 @@ class RolloutController:
         return a
 
     def _breaker(self, records: list[EpisodeRecord]) -> None:
-        """Trip (fail the controller with the top reasons) after `train.breaker_groups`
-        all-infra groups in a row, or when the infra rate over the last `breaker_window`
-        episodes passes `breaker_infra_rate`."""
-        infra = [r for r in records if r.status == "infra_error"]
-        self._reasons.update(_reason_key(r.error or "unknown") for r in infra)
-        self._window.extend(r.status == "infra_error" for r in records)
-        self._all_infra_in_a_row = self._all_infra_in_a_row + 1 if len(infra) == len(records) else 0
-        rate = sum(self._window) / len(self._window) if self._window else 0.0
-        full = len(self._window) == self._window.maxlen
-        why = (f"{self._all_infra_in_a_row} groups in a row failed on the infrastructure"
-               if self._all_infra_in_a_row >= self.cfg.breaker_groups else
-               f"{rate:.0%} of the last {len(self._window)} episodes failed on the "
-               "infrastructure" if full and rate > self.cfg.breaker_infra_rate else "")
+        """Fail the controller when the circuit breaker trips on a finished group."""
+        why = self.breaker.observe(records)
         if why:
-            top = "; ".join(f"{n}x {reason}" for reason, n in self._reasons.most_common(3))
-            self._failure = RuntimeError(
-                f"circuit breaker: {why}; top reasons: {top} (env actor logs: the Ray "
-                "dashboard's actor pages, or /tmp/ray/session_latest/logs/worker-*)")
+            self._failure = RuntimeError(why)
 
     async def _record(self, gid: str, g: _Group, ref: Any, i: int) -> Any:
         """The object behind `ref` (a member's record, or with i < 0 the group's list of

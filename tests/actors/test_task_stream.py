@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rl360.actors.controller import _task_stream
+from rl360.actors.task_stream import task_stream
 
 
 @pytest.fixture
@@ -28,24 +28,24 @@ def ids(stream, n: int) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 def test_window_zero_is_file_order_pass_after_pass(files: list[str]) -> None:
-    assert ids(_task_stream(files, 0, 0), 14) == [f"t{i}" for i in range(12)] + ["t0", "t1"]
-    assert ids(_task_stream(files, 5, 0), 7) == ["t0", "t1", "t2", "t3", "t4", "t0", "t1"]
+    assert ids(task_stream(files, 0, 0), 14) == [f"t{i}" for i in range(12)] + ["t0", "t1"]
+    assert ids(task_stream(files, 5, 0), 7) == ["t0", "t1", "t2", "t3", "t4", "t0", "t1"]
 
 
 @pytest.mark.parametrize("window", [3, 12, 4096])
 def test_every_pass_is_a_new_permutation_reproducible_from_the_seed(files: list[str],
                                                                     window: int) -> None:
-    got = ids(_task_stream(files, 0, window, seed=7), 36)
+    got = ids(task_stream(files, 0, window, seed=7), 36)
     passes = [got[0:12], got[12:24], got[24:36]]
     for p in passes:  # each task exactly once per pass, windowed or not
         assert sorted(p, key=lambda s: int(s[1:])) == [f"t{i}" for i in range(12)]
     assert passes[0] != passes[1] and passes[0] != [f"t{i}" for i in range(12)]
-    assert got == ids(_task_stream(files, 0, window, seed=7), 36)  # a resume replays it
-    assert got != ids(_task_stream(files, 0, window, seed=8), 36)
+    assert got == ids(task_stream(files, 0, window, seed=7), 36)  # a resume replays it
+    assert got != ids(task_stream(files, 0, window, seed=8), 36)
 
 
 def test_the_limit_applies_before_the_shuffle(files: list[str]) -> None:
-    got = ids(_task_stream(files, 4, 4096, seed=1), 8)
+    got = ids(task_stream(files, 4, 4096, seed=1), 8)
     assert sorted(got[:4]) == sorted(got[4:]) == ["t0", "t1", "t2", "t3"]
 
 
@@ -53,4 +53,4 @@ def test_no_tasks_is_a_clear_error(tmp_path: Path) -> None:
     empty = tmp_path / "none.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match="no tasks in"):
-        next(_task_stream([str(empty)], 0, 16))
+        next(task_stream([str(empty)], 0, 16))
