@@ -19,7 +19,8 @@ from typing import Any
 from rl360.types import Trajectory
 
 BOOTSTRAP_RESAMPLES = 2000
-_CALL_HINT = re.compile(r"<tool_call|</tool_call>|\"name\"\s*:|<tool>|\btool_call\b")
+# what looks like a tool call in a reply: the call tags, or a call-shaped JSON object
+_CALL_HINT = re.compile(r'<tool_call|</tool_call>|\{\s*"name"\s*:\s*"[^"]*"\s*,\s*"(arguments|parameters)"')
 
 
 def passed(t: Trajectory) -> bool:

@@ -136,7 +136,7 @@ class ChatRenderer:
         object (`{"name": ..., "arguments": {...}}`, Qwen's form) or a list of them (SmolLM2's
         form; `[]` is no call). A malformed span (bad JSON, no name, arguments that are no
         object) stays in the content as plain text and is counted with its reason; so is an
-        opening marker with no closing one."""
+        opening marker with no closing one, and a closing one with no opening."""
         calls: list[ToolCall] = []
         reasons: list[str] = []
         kept: list[str] = []
@@ -154,6 +154,7 @@ class ChatRenderer:
         content = "".join(kept)
         unclosed = content.count(self.tool_call_open) - content.count(self.tool_call_close)
         reasons.extend([f"unclosed {self.tool_call_open}"] * max(unclosed, 0))
+        reasons.extend([f"{self.tool_call_close} without an opening tag"] * max(-unclosed, 0))
         if calls:
             content = content.rstrip()
         return ParsedAssistant(content=content, tool_calls=calls,
