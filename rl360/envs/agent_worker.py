@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rl360.envs.agent import EpisodeResult, verify_scored
 from rl360.envs.agent_programs import agent_program, fill, module_root
 from rl360.envs.api import Env, EnvStart, SandboxSpec, TaskRefused
@@ -97,11 +99,10 @@ class AgentWorkerEnv(Env):
             raise TaskRefused(f"the agent worker runs in the bwrap sandbox only: {spec.why}")
         lim = spec.limits
         budget = self.timeout_s or float(task.data.get("agent_timeout_sec") or 0)
-        limits = SandboxLimits(
-            cpu_seconds=max(lim.cpu_seconds, math.ceil(budget)), memory_mb=lim.memory_mb
-            + self.memory_mb, max_procs=lim.max_procs + AGENT_PROCS, disk_mb=lim.disk_mb,
-            tmp_mb=lim.tmp_mb, output_bytes=lim.output_bytes, timeout=lim.timeout,
-            network=lim.network, cpus=lim.cpus, nice=lim.nice)
+        # the agent program's own process runs the whole episode (RLIMIT_CPU is per process)
+        limits = msgspec.structs.replace(
+            lim, cpu_seconds=max(lim.cpu_seconds, math.ceil(budget)),
+            memory_mb=lim.memory_mb + self.memory_mb, max_procs=lim.max_procs + AGENT_PROCS)
         binds = [module_root(m) for m in self.program.modules]
         binds = list(dict.fromkeys([*binds, *self.program.mounts, self.bridge_dir]))
         return SandboxSpec(limits=limits, workdir=spec.workdir, scratch_dirs=spec.scratch_dirs,
