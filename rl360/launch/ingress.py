@@ -22,8 +22,10 @@ import shutil
 
 from rl360.ray_session import free_port
 from rl360.recipe import RecipeError, ServeSection
+from rl360.serve.sessions.http import HTTP_REQUEST_TIMEOUT_S
 
 HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
+HAPROXY_SERVER_TIMEOUT = "RAY_SERVE_HAPROXY_TIMEOUT_SERVER_S"
 _PORT_VARS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
 
 
@@ -50,7 +52,9 @@ def ingress_env(serve: ServeSection, *, local: bool) -> dict[str, str]:
     """The environment variables the Serve processes need for `serve.ingress`."""
     if serve.ingress != "haproxy":
         return {HAPROXY_FLAG: "0"}
-    env = {HAPROXY_FLAG: "1"}
+    # HAProxy's own bound on an ingress replica's answer (Serve's request_timeout_s is the
+    # Python proxy's): the same end-to-end limit either way (serve_app.http_options)
+    env = {HAPROXY_FLAG: "1", HAPROXY_SERVER_TIMEOUT: str(int(HTTP_REQUEST_TIMEOUT_S))}
     if local:
         env.update({k: str(free_port()) for k in _PORT_VARS})
     return env

@@ -16,11 +16,13 @@ def test_proxy_turns_haproxy_off_and_haproxy_gets_ports_of_its_own() -> None:
     assert ingress.ingress_env(ServeSection(), local=True) == {ingress.HAPROXY_FLAG: "0"}
     env = ingress.ingress_env(ServeSection(ingress="haproxy"), local=True)
     assert env[ingress.HAPROXY_FLAG] == "1"
+    # HAProxy bounds an answer as Serve's request_timeout_s does for its Python proxy
+    assert float(env[ingress.HAPROXY_SERVER_TIMEOUT]) == ingress.HTTP_REQUEST_TIMEOUT_S
     ports = {int(env[k]) for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")}
     assert len(ports) == 2 and not ports & {8404, 9101}  # not Serve's fixed defaults
     # on an existing cluster the nodes' own ports are not ours to pick
     assert ingress.ingress_env(ServeSection(ingress="haproxy"), local=False) == {
-        ingress.HAPROXY_FLAG: "1"}
+        ingress.HAPROXY_FLAG: "1", ingress.HAPROXY_SERVER_TIMEOUT: "960"}
 
 
 def test_haproxy_without_a_binary_is_refused_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
