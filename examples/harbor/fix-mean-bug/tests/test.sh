@@ -1,12 +1,5 @@
 #!/bin/bash
+# The agent's stats.py runs only in a child process of verify.py; the values it returns are
+# compared there with values the verifier computes itself.
 mkdir -p /logs/verifier
-cd /app
-if python3 - <<'PY'
-import sys
-sys.path.insert(0, "/app")
-from stats import mean
-assert mean([1, 2, 3]) == 2
-assert mean([5]) == 5
-assert abs(mean([1.5, 2.5]) - 2.0) < 1e-9
-PY
-then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+exec python3 -I /tests/verify.py
