@@ -186,6 +186,32 @@ async def test_a_verifier_that_overruns_after_writing_a_reward_scores_zero(harbo
     assert res.status == "error" and res.reward is not None and res.reward.value == 0.0
 
 
+
+# fix-mean-bug's verifier runs the agent's mean() in a child; importing this stats.py starts a
+# daemon (double fork, new session) that keeps writing reward 1 after the verifier wrote its own
+LEAVES_A_WRITER = """import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        for _ in range(5000):
+            try:
+                open("/logs/verifier/reward.txt", "w").write("1")
+            except OSError:
+                pass
+            time.sleep(0.001)
+    os._exit(0)
+def mean(xs):
+    return 0
+"""
+
+
+async def test_the_agents_code_run_by_a_verifier_leaves_nothing_behind(harbor_episode):
+    """The example verifier is its child's subreaper: what the agent's module started is killed
+    before the reward is written."""
+    task = load_harbor_task(EXAMPLES / "harbor" / "fix-mean-bug")
+    res = await harbor_episode(task, write("/app/stats.py", LEAVES_A_WRITER))
+    assert res.status == "ok" and res.reward is not None and res.reward.value == 0.0, res.reward
+
 CODE_TASK = Task(id="add7", prompt="Write add_seven(x).", data={
     "entry_point": "add_seven",
     "tests": ["assert add_seven(0) == 7", "assert add_seven(5) == 12", "assert add_seven(-7) == 0"],
