@@ -345,6 +345,12 @@ class TrainerSection(_S):
     # of rows, instead of the logits of every position (rl360/policies/token_logprobs.py);
     # models whose head is not a plain Linear, fsdp and megatron use the full logits either way
     fused_logprobs: bool = True
+    # torch, with fused_logprobs on our own Llama modules: the samples of a micro-batch that
+    # begin with the same prompt (a GRPO group) run it through the model once, their replies
+    # attending to its keys and values (policies/shared_prefix.py); micro-batches are cut by
+    # prompt. Same loss and gradients up to float rounding; on the SmolLM2 tool tasks a
+    # sample's prompt is ~60% of its tokens
+    shared_prefix: bool = True
     # torch: a plain Llama checkpoint trains on our own modules (policies/native_llama.py, no
     # transformers modeling import: ~1.5 CPU s less start-up); false = transformers' model. Off
     # by itself with gradient_checkpointing or attention_mask, and for fsdp

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from rl360.policies.shared_prefix import PrefixLayout
 from rl360.types import TrainSample
 
 
@@ -29,6 +30,7 @@ class MicroBatch:
     rows: list[int] = field(default_factory=list)  # the samples' indices in the batch
     positions: Tensor | None = None  # [1, T]: position ids of a packed row
     unpack: Tensor | None = None  # [B, L-1]: index of each target in the packed row's T-1
+    prefix: PrefixLayout | None = None  # rows sharing a prompt run it once (shared_prefix.py)
 
     def padded(self, x: Tensor) -> Tensor:
         """Per-target values [R, W-1] of what the model saw -> the padded [B, L-1] layout."""
@@ -37,8 +39,11 @@ class MicroBatch:
     def to(self, device: torch.device) -> MicroBatch:
         if device.type == "cpu":
             return self
-        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                for f in fields(self) if isinstance(getattr(self, f.name), Tensor)})
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True)
+                 for f in fields(self) if isinstance(getattr(self, f.name), Tensor)}
+        if self.prefix is not None:
+            moved["prefix"] = self.prefix.to(device)
+        return replace(self, **moved)
 
 
 class StepMetrics:

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rl360.policies.shared_prefix import PrefixLayout
+
 
 @dataclass(frozen=True)
 class NativeLlamaConfig:
@@ -176,6 +178,31 @@ class Attention(nn.Module):
                                                        is_causal=t > 1, enable_gqa=self.gqa)
         return self.o_proj(o.transpose(1, 2).contiguous().reshape(b, t, -1).contiguous())
 
+    def forward_shared(self, xp: Tensor, xs: Tensor, rope_p: tuple[Tensor, Tensor],
+                       rope_s: tuple[Tensor, Tensor], row_prefix: Tensor,
+                       mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Prefixes xp [P, Lp, H] (causal over themselves) and suffixes xs [B, Ls, H], each
+        suffix attending to its prefix's keys/values (`row_prefix`) and causally to its own,
+        as `mask` [B, 1, Ls, Lp + Ls] allows (policies/shared_prefix.py)."""
+        p, lp = xp.shape[:2]
+        b, ls = xs.shape[:2]
+        qp = self.q_proj(xp).view(p, lp, -1, self.head_dim).transpose(1, 2)
+        kp = self.k_proj(xp).view(p, lp, -1, self.head_dim).transpose(1, 2)
+        vp = self.v_proj(xp).view(p, lp, -1, self.head_dim).transpose(1, 2)
+        qp, kp = apply_rotary_pos_emb(qp, kp, *rope_p)
+        op = nn.functional.scaled_dot_product_attention(
+            qp, kp, vp, dropout_p=0.0, scale=self.scaling, is_causal=lp > 1, enable_gqa=self.gqa)
+        qs = self.q_proj(xs).view(b, ls, -1, self.head_dim).transpose(1, 2)
+        ks = self.k_proj(xs).view(b, ls, -1, self.head_dim).transpose(1, 2)
+        vs = self.v_proj(xs).view(b, ls, -1, self.head_dim).transpose(1, 2)
+        qs, ks = apply_rotary_pos_emb(qs, ks, *rope_s)
+        k = torch.cat([kp[row_prefix], ks], dim=2)
+        v = torch.cat([vp[row_prefix], vs], dim=2)
+        os_ = nn.functional.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, dropout_p=0.0, scale=self.scaling, enable_gqa=self.gqa)
+        return (self.o_proj(op.transpose(1, 2).reshape(p, lp, -1).contiguous()),
+                self.o_proj(os_.transpose(1, 2).reshape(b, ls, -1).contiguous()))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: NativeLlamaConfig) -> None:
@@ -188,6 +215,16 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_shared(self, xp: Tensor, xs: Tensor, rope_p: tuple[Tensor, Tensor],
+                       rope_s: tuple[Tensor, Tensor], row_prefix: Tensor,
+                       mask: Tensor) -> tuple[Tensor, Tensor]:
+        ap, as_ = self.self_attn.forward_shared(self.input_layernorm(xp),
+                                                self.input_layernorm(xs), rope_p, rope_s,
+                                                row_prefix, mask)
+        xp, xs = xp + ap, xs + as_
+        return (xp + self.mlp(self.post_attention_layernorm(xp)),
+                xs + self.mlp(self.post_attention_layernorm(xs)))
 
 
 @dataclass
@@ -245,6 +282,24 @@ class Decoder(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         return Output(last_hidden_state=self.norm(x))
+
+    def forward_shared(self, layout: PrefixLayout) -> Tensor:
+        """Hidden states after the final norm of the rows `layout` describes, [B, L, H], each
+        shared prefix run once (zeros over the prefixes, which carry no loss:
+        policies/shared_prefix.py)."""
+        xp = self.embed_tokens(layout.prefix_ids)
+        xs = self.embed_tokens(layout.suffix_ids)
+        (p, lp), (b, ls) = layout.prefix_ids.shape, layout.suffix_ids.shape
+        dev = xs.device
+        rope_p = self.rotary_emb(xp, torch.arange(lp, device=dev)[None].expand(p, lp))
+        rope_s = self.rotary_emb(xs, layout.split[:, None] + torch.arange(ls, device=dev)[None])
+        prefix_keys = torch.arange(lp, device=dev)[None] < layout.split[:, None]  # [B, Lp]
+        causal = torch.ones((ls, ls), dtype=torch.bool, device=dev).tril()
+        mask = torch.cat([prefix_keys[:, None, :].expand(b, ls, lp),
+                          causal[None].expand(b, ls, ls)], dim=-1)[:, None]
+        for layer in self.layers:
+            xp, xs = layer.forward_shared(xp, xs, rope_p, rope_s, layout.row_prefix, mask)
+        return layout.scatter(self.norm(xs))
 
 
 class NativeLlamaForCausalLM(nn.Module):

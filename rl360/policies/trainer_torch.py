@@ -47,6 +47,7 @@ from rl360.policies.lora import (
 from rl360.policies.losses import PolicyLoss, build_policy_loss, entropy_from_logits
 from rl360.policies.native_llama import load_native_llama, native_config
 from rl360.policies.reducers import Reducer, build_reducer, global_denominators
+from rl360.policies.shared_prefix import PrefixLayout
 from rl360.policies.token_logprobs import linear_logprobs, plain_head
 from rl360.policies.trainer_state import STATE_FILE, TrainerState
 from rl360.recipe import TrainerSection
@@ -86,6 +87,8 @@ class TorchTrainer(TrainerState):
         cfg = model.config
         self._add_adapters(model)
         self.model = self._place(model)
+        self.shared_prefix = self.shared_prefix and hasattr(
+            getattr(self.model, "get_decoder", lambda: None)(), "forward_shared")
         self._setup_optimization(config)
         if self.loss_fn.needs_reference and self.lora is not None:
             self.reference = self.model  # the base: the same model with its adapters off
@@ -126,6 +129,9 @@ class TorchTrainer(TrainerState):
         # loss positions only through a plain output head (backends whose head weight is
         # sharded outside its own forward set fused_head_ok = False)
         self.fused_logprobs = config.fused_logprobs and self.fused_head_ok
+        # shared prompts run once: on our own Llama modules, checked once the model is built
+        self.shared_prefix = (config.shared_prefix and self.fused_logprobs
+                              and not config.attention_mask)
         self.model_path = Path(model_path)
         self._lora_paths(config)
         pin_to_cpus(config.cpu_affinity, "trainer.cpu_affinity")
@@ -307,7 +313,10 @@ class TorchTrainer(TrainerState):
         """Longest first; a micro-batch holds at most micro_batch_size sequences and, when
         micro_batch_tokens > 0, at most that many tokens with padding (so a few long
         multi-turn trajectories do not pad a whole micro-batch to their length)."""
-        order = sorted(samples, key=lambda s: -len(s.tokens))
+        if self.shared_prefix:  # a prompt's samples side by side (then longest first)
+            order = sorted(samples, key=lambda s: (_prompt(s), -len(s.tokens)))
+        else:
+            order = sorted(samples, key=lambda s: -len(s.tokens))
         size, budget = self.config.micro_batch_size, self.config.micro_batch_tokens
         chunk: list[TrainSample] = []
         for s in order:
@@ -337,7 +346,10 @@ class TorchTrainer(TrainerState):
                 mask[r, :n] = torch.tensor(s.mask, dtype=torch.float32)
                 samp[r, :n] = torch.tensor(s.sampling_logprobs, dtype=torch.float32)
             adv = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)
-            yield MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows).to(self.device)
+            prefix = (PrefixLayout.of([s.tokens for s in chunk], [s.mask for s in chunk], width,
+                                      self.pad_id) if self.shared_prefix else None)
+            yield MicroBatch(ids, attn, mask[:, 1:], samp[:, 1:], adv, old, rows,
+                             prefix=prefix).to(self.device)
 
     @staticmethod
     def _proximal_rows(chunk: list[TrainSample], width: int, proximal: dict[int, Tensor] | None,
@@ -383,9 +395,12 @@ class TorchTrainer(TrainerState):
                 entropy = mb.padded(entropy_from_logits(logits))
             return logprobs, entropy
         with self._autocast():
-            attn = mb.attn if self.config.attention_mask else None
-            hidden = model.get_decoder()(input_ids=mb.ids, attention_mask=attn,
-                                         use_cache=False).last_hidden_state
+            if mb.prefix is not None:
+                hidden = model.get_decoder().forward_shared(mb.prefix)
+            else:
+                attn = mb.attn if self.config.attention_mask else None
+                hidden = model.get_decoder()(input_ids=mb.ids, attention_mask=attn,
+                                             use_cache=False).last_hidden_state
         sel = mb.mask > 0
         h, targets = hidden[:, :-1][sel], mb.ids[:, 1:][sel]
         logp, ent = linear_logprobs(h, head.weight, targets, 1.0 / self.temperature)
@@ -466,3 +481,9 @@ class TorchTrainer(TrainerState):
             return torch.zeros(())
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True)
+
+
+def _prompt(s: TrainSample) -> tuple[int, ...]:
+    """The tokens before a sample's first generated token (its group's shared prompt)."""
+    first = s.mask.index(1) if 1 in s.mask else len(s.tokens)
+    return tuple(s.tokens[:first])
