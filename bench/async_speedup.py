@@ -235,7 +235,7 @@ def run(mode: str, args: argparse.Namespace, model: Path, tasks: Path, stops: li
         f"train.steps={args.steps}", f"train.group_size={args.group_size}",
         f"train.groups_per_batch={args.groups}", f"train.max_staleness={staleness}",
         f"train.max_in_flight_groups={(args.staleness + 1) * args.groups}", "train.filter_zero_variance=false",
-        f"train.tasks=[{json.dumps(str(tasks))}]", "train.checkpoint_every=0",
+        f"train.tasks=[{json.dumps(str(tasks))}]", "train.checkpoints.every=0",
         "train.wandb='disabled'", "train.sampling.temperature=1.0",
         f"train.sampling.max_tokens={args.max_tokens}", f"train.sampling.stop_token_ids={stops}",
         *args.set,

@@ -44,7 +44,7 @@ def cmd(out: Path, name: str, steps: int, *sets: str) -> list[str]:
         "serve.session_shards=2", "engine.replicas=1", "engine.num_cpus=0.5",
         "trainer.num_cpus=0.5", f"train.steps={steps}", f"train.group_size={GROUP_SIZE}",
         "train.groups_per_batch=4", "train.tasks=['examples/tasks/code.jsonl']",
-        "train.sampling.max_tokens=16", "train.checkpoint_every=1", "train.wandb='disabled'",
+        "train.sampling.max_tokens=16", "train.checkpoints.every=1", "train.wandb='disabled'",
         "train.max_staleness=1", "train.init=''", "train.max_in_flight_groups=8", *sets,
     ]
     args = [sys.executable, "-m", "rl360", "train", "recipes/cpu-demo.toml"]

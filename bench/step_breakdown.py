@@ -220,7 +220,7 @@ def main() -> int:
     warm = ROOT / "runs" / "cpu-demo-warmstart"
     cmd = [sys.executable, "-m", "rl360", "train", args.recipe,
            "--set", f"train.steps={args.steps}", "--set", f"run.out_dir={out_dir}",
-           "--set", "run.name=bench", "--set", "train.checkpoint_every=0",
+           "--set", "run.name=bench", "--set", "train.checkpoints.every=0",
            "--set", "train.max_minutes=0", "--set", "ray.dashboard=false"]
     if not warm.exists():
         print("no cached warm start: the run makes it first (rl360 sft, minutes)", flush=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import re
 
-from rl360.recipe import TrainSection
+from rl360.recipe import BreakerSection
 from rl360.types import EpisodeRecord
 
 _IDS = re.compile(r"\b(?=[0-9a-f]*\d)[0-9a-f]{4,}\b|(?<![A-Za-z0-9])\d+")
@@ -20,13 +20,13 @@ def reason_key(error: str) -> str:
 
 
 class CircuitBreaker:
-    """Trips after `train.breaker_groups` all-infra groups in a row, or when the infra rate
-    over the last `breaker_window` episodes passes `breaker_infra_rate`."""
+    """Trips after `train.breaker.groups` all-infra groups in a row, or when the infra rate
+    over the last `window` episodes passes `infra_rate`."""
 
-    def __init__(self, config: TrainSection) -> None:
+    def __init__(self, config: BreakerSection) -> None:
         self.cfg = config
         self.all_infra_in_a_row = 0
-        self.window: collections.deque[bool] = collections.deque(maxlen=config.breaker_window)
+        self.window: collections.deque[bool] = collections.deque(maxlen=config.window)
         self.reasons: collections.Counter[str] = collections.Counter()
 
     def observe(self, records: list[EpisodeRecord]) -> str:
@@ -38,9 +38,9 @@ class CircuitBreaker:
         rate = sum(self.window) / len(self.window) if self.window else 0.0
         full = len(self.window) == self.window.maxlen
         why = (f"{self.all_infra_in_a_row} groups in a row failed on the infrastructure"
-               if self.all_infra_in_a_row >= self.cfg.breaker_groups else
+               if self.all_infra_in_a_row >= self.cfg.groups else
                f"{rate:.0%} of the last {len(self.window)} episodes failed on the "
-               "infrastructure" if full and rate > self.cfg.breaker_infra_rate else "")
+               "infrastructure" if full and rate > self.cfg.infra_rate else "")
         if not why:
             return ""
         top = "; ".join(f"{n}x {reason}" for reason, n in self.reasons.most_common(3))

@@ -13,8 +13,8 @@ truncated importance sampling) groups whose oldest generated token is more than
 With `train.oversampling = false` the controller starts exactly `groups_per_batch` groups per
 batch and tells the buffer each group's batch index; batch b is cut once all its groups are
 settled (queued, filtered or cancelled) and holds whatever survived (an empty one is skipped).
-`train.curriculum = "positive-first"` scales the non-positive advantages of a batch when it is
-cut, by a factor ramping from `curriculum_floor` at step 1 to 1 at step `curriculum_steps`.
+`train.curriculum.mode = "positive-first"` scales the non-positive advantages of a batch when
+it is cut, by a factor ramping from `curriculum.floor` at step 1 to 1 at step `curriculum.steps`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from rl360.actors.reward_stats import (
     tito_metrics,
 )
 from rl360.policies.advantages import build_advantage
-from rl360.recipe import TrainSection
+from rl360.recipe import CurriculumSection, TrainSection
 from rl360.types import EpisodeRecord, TrainSample, Trajectory
 
 
@@ -148,13 +148,13 @@ class _StoredGroup(msgspec.Struct):
     batch: int = -1
 
 
-def curriculum_factor(cfg: TrainSection, step: int) -> float:
+def curriculum_factor(cfg: CurriculumSection, step: int) -> float:
     """The positive-first curriculum's scale of non-positive advantages at `step` (1-based):
-    `curriculum_floor` at step 1, linear to 1 at `curriculum_steps`; 1 without a curriculum."""
-    if cfg.curriculum == "none" or step >= cfg.curriculum_steps:
+    `floor` at step 1, linear to 1 at `steps`; 1 without a curriculum."""
+    if cfg.mode == "none" or step >= cfg.steps:
         return 1.0
-    ramp = max(0, step - 1) / max(1, cfg.curriculum_steps - 1)
-    return cfg.curriculum_floor + (1.0 - cfg.curriculum_floor) * ramp
+    ramp = max(0, step - 1) / max(1, cfg.steps - 1)
+    return cfg.floor + (1.0 - cfg.floor) * ramp
 
 
 class TrajectoryBuffer:
@@ -334,7 +334,7 @@ class TrajectoryBuffer:
         self._cut_stats.merge(self._unbatched)  # the groups that finished unqueued before it
         self._unbatched = _StepStats()
         members = [m for g in groups for m in g.members]
-        factor = curriculum_factor(self.cfg, step)
+        factor = curriculum_factor(self.cfg.curriculum, step)
         if factor != 1.0:  # positive-first: non-positive advantages count less early on
             members = [m if m.advantage > 0 else dataclasses.replace(m, advantage=m.advantage * factor)
                        for m in members]

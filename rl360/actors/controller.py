@@ -8,15 +8,15 @@ is synchronous on-policy RL; with >= 1 generation overlaps training, and stalene
 bounded by construction (the buffer still measures and enforces it per token).
 
 Tasks stream from the task files, epoch after epoch. Tail cancellation: once all but
-`tail_keep` groups of the oldest open batch are done, a group that has run longer than
-`tail_factor` x the batch's median group time is cancelled and its task re-queued at the back;
+`train.tail.keep` groups of the oldest open batch are done, a group that has run longer than
+`tail.factor` x the batch's median group time is cancelled and its task re-queued at the back;
 ray.cancel reaches the episode's asyncio task in the env actor, which cancels its engine call and
 closes its session (actors/env_pool.py).
 
 Recipe knobs: `train.rolling_start` (size, interval_s) opens the first max_in_flight_groups
 groups in waves; `train.oversampling = false` never replaces a filtered or cancelled group (the
 batch is whatever survived, see actors/buffer.py) instead of giving its slot to another group;
-`train.park_after` / `park_passes` skip tasks that keep giving no signal (actors/parking.py).
+`train.parking` (after, passes) skips tasks that keep giving no signal (actors/parking.py).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RolloutController:
         self.started = 0  # groups that count towards batches (sets each group's batch index)
         self.seq = 0  # every group ever started (names)
         self.tasks_taken = 0
-        self.parking = TaskParking(config.park_after, config.park_passes)
+        self.parking = TaskParking(config.parking.after, config.parking.passes)
         self.served_version = 0
         # the buffer's queue length as last read plus the groups queued since: an upper bound
         # (only the trainer's takes and stale drops shrink it), so admission asks the buffer
@@ -106,7 +106,7 @@ class RolloutController:
         # then holds that task's earlier answers, so an answer seen in an earlier step is not
         # graded again); assigned round robin at first sight, bounded
         self._home: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self.breaker = CircuitBreaker(config)
+        self.breaker = CircuitBreaker(config.breaker)
         self._rr = 0
         self._t0 = time.monotonic()  # rolling start: when the controller started, and its seq
         self._seq0 = 0
@@ -144,7 +144,7 @@ class RolloutController:
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(self._run(), name="rl360-rollout-loop")
         self._loop_task.add_done_callback(self._on_done)
-        if self.cfg.tail_keep > 0:
+        if self.cfg.tail.keep > 0:
             self._tail_task = loop.create_task(self._tail_loop(), name="rl360-tail-cancel")
             self._tail_task.add_done_callback(self._on_done)
 
@@ -426,9 +426,9 @@ class RolloutController:
                 continue
             oldest = min(g.batch for g in self.inflight.values())
             done = self.done_times.get(oldest, [])
-            if len(done) < gpb - self.cfg.tail_keep:
+            if len(done) < gpb - self.cfg.tail.keep:
                 continue
-            limit = self.cfg.tail_factor * statistics.median(done)
+            limit = self.cfg.tail.factor * statistics.median(done)
             now = time.monotonic()
             for gid, g in list(self.inflight.items()):
                 if g.batch == oldest and now - g.started > limit:

@@ -4,8 +4,8 @@ A group whose scored episodes all got the same reward, and that reward is <= 0, 
 nothing (every advantage is 0) and a task that does that group after group only costs
 generation and grading; on the CPU demo the two Harbor tool tasks (multi-turn, a fresh sandbox
 each, reward 0 at that model size) took ~35% of every step and set when a batch could be cut.
-With `train.park_after = k` a task whose last k settled groups were all like that is parked:
-the next `train.park_passes` times the task stream offers it, it is skipped; the time after
+With `train.parking.after = k` a task whose last k settled groups were all like that is parked:
+the next `train.parking.passes` times the task stream offers it, it is skipped; the time after
 that it runs one group (a probe). A probe that is still all-failed parks it again; any group
 with a reward above 0, or with variance, unparks it and clears its count. Groups that failed
 entirely on the infrastructure say nothing about the task and change nothing. Only a task that

@@ -89,7 +89,7 @@ def _balance(est: Estimate, recipe: Recipe) -> None:
         return
     f = est.figures
     floor = f.tokens_per_episode / f.seq_tokens_per_s if f and f.seq_tokens_per_s > 0 else 0.0
-    mp = t.tensor_parallel * t.pipeline_parallel * t.context_parallel if t.backend == "megatron" \
+    mp = t.megatron.tensor_parallel * t.megatron.pipeline_parallel * t.megatron.context_parallel if t.backend == "megatron" \
         else 1
     best: tuple[float, int, int] | None = None
     for replicas in range(1, int(total // e.num_gpus) + 1):

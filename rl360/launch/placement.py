@@ -210,16 +210,16 @@ def _check_parallelism(recipe: Recipe) -> list[str]:
     t, e = recipe.trainer, recipe.engine
     warnings: list[str] = []
     if t.backend == "megatron":
-        mp = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+        mp = t.megatron.tensor_parallel * t.megatron.pipeline_parallel * t.megatron.context_parallel
         if t.workers % mp:
             raise PlacementError(
                 f"trainer.workers ({t.workers}) must be a multiple of tensor_parallel x "
                 f"pipeline_parallel x context_parallel ({mp})"
             )
-        dp_cp = t.workers // (t.tensor_parallel * t.pipeline_parallel)
-        if dp_cp % t.expert_parallel:
+        dp_cp = t.workers // (t.megatron.tensor_parallel * t.megatron.pipeline_parallel)
+        if dp_cp % t.megatron.expert_parallel:
             raise PlacementError(
-                f"trainer.expert_parallel ({t.expert_parallel}) must divide data x context "
+                f"trainer.megatron.expert_parallel ({t.megatron.expert_parallel}) must divide data x context "
                 f"parallel ({dp_cp} = workers / (tensor_parallel x pipeline_parallel))"
             )
     # other backends' parallel sizes: refused by rl360.launch.support (their declarations)
@@ -288,7 +288,7 @@ def plan_placement(recipe: Recipe, nodes: list[NodeInfo], source: str = "") -> P
         return {role_resource(role): ROLE_UNIT} if mode == "cluster" else {}
 
     t, e = recipe.trainer, recipe.engine
-    align = t.tensor_parallel if t.backend == "megatron" else 1
+    align = t.megatron.tensor_parallel if t.backend == "megatron" else 1
     ranks = _assign("train", "trainer ranks", t.workers, t.num_cpus, t.num_gpus,
                     by_role["train"], free, spread=False, mode=mode, align=align)
     per_node: dict[str, list[int]] = {}
@@ -303,10 +303,10 @@ def plan_placement(recipe: Recipe, nodes: list[NodeInfo], source: str = "") -> P
         for bi, rank in enumerate(rs):
             items.append(Item(name=f"trainer/{rank}", kind="actor", role="train", node=node,
                               cpus=t.num_cpus, gpus=t.num_gpus, group=gname, bundle=bi))
-    if t.backend == "megatron" and t.tensor_parallel > 1:
+    if t.backend == "megatron" and t.megatron.tensor_parallel > 1:
         gpn = max((n.gpus for n in by_role["train"]), default=0)
-        if t.num_gpus and gpn and t.tensor_parallel * t.num_gpus > gpn:
-            warnings.append(f"trainer.tensor_parallel={t.tensor_parallel} spans nodes ({gpn:g} GPUs per node)")
+        if t.num_gpus and gpn and t.megatron.tensor_parallel * t.num_gpus > gpn:
+            warnings.append(f"trainer.megatron.tensor_parallel={t.megatron.tensor_parallel} spans nodes ({gpn:g} GPUs per node)")
 
     replicas = _assign("rollout", "engine replicas", e.replicas, e.num_cpus, e.num_gpus,
                        by_role["rollout"], free, spread=True, mode=mode)

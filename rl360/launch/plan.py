@@ -203,10 +203,10 @@ def describe_recipe(recipe: Recipe, path: str) -> list[str]:
                  f"({plural(e.num_gpus, 'GPU')}, {plural(e.num_cpus, 'CPU')}){par}, "
                  f"batch {e.max_batch_size}")
     if t.backend == "megatron":
-        mp = t.tensor_parallel * t.pipeline_parallel * t.context_parallel
+        mp = t.megatron.tensor_parallel * t.megatron.pipeline_parallel * t.megatron.context_parallel
         dp = t.workers // mp if t.workers % mp == 0 else "?"
-        layout = (f", TP {t.tensor_parallel} x PP {t.pipeline_parallel} x CP "
-                  f"{t.context_parallel} x DP {dp}, EP {t.expert_parallel}")
+        layout = (f", TP {t.megatron.tensor_parallel} x PP {t.megatron.pipeline_parallel} x CP "
+                  f"{t.megatron.context_parallel} x DP {dp}, EP {t.megatron.expert_parallel}")
     elif t.backend == "fsdp":
         layout = f", FSDP2-sharded data parallel {t.workers}"
     else:

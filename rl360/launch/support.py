@@ -1,6 +1,6 @@
 """Does the recipe ask its backends for something they can run? One line per problem.
 
-    problems = support_problems(recipe)   # ["trainer.pipeline_parallel=2: ...", ...]
+    problems = support_problems(recipe)   # ["trainer.megatron.pipeline_parallel=2: ...", ...]
 
 Reads each backend's own declaration (ENGINE_SUPPORT, TRAINER_SUPPORT: devices, dtypes, model
 families, parallel layouts) and names the recipe key and what the backend supports. Used by
@@ -50,8 +50,11 @@ def _parallel_text(s: BackendSupport) -> str:
 
 
 def _check(section: str, s: BackendSupport, device: str, dtype_key: str, dtype: str,
-           sizes: dict[str, int], family: str | None, remote: bool) -> list[str]:
+           sizes: dict[str, int], family: str | None, remote: bool,
+           sizes_key: str = "") -> list[str]:
+    """`sizes_key`: where the recipe holds the parallel sizes (`section` by default)."""
     who = f"the {s.backend!r} {section} backend"
+    sizes_key = sizes_key or section
     out = []
     if not remote and device not in s.devices:
         gpus_key = f"{section}.num_gpus"
@@ -62,7 +65,7 @@ def _check(section: str, s: BackendSupport, device: str, dtype_key: str, dtype: 
         out.append(f"{dtype_key}={dtype!r}: {who} supports {', '.join(s.dtypes)}")
     for key, size in sizes.items():
         if size > getattr(s, key):
-            out.append(f"{section}.{key}={size}: {who} supports {_parallel_text(s)}"
+            out.append(f"{sizes_key}.{key}={size}: {who} supports {_parallel_text(s)}"
                        + (f" ({s.notes})" if s.notes else ""))
     if family is not None:
         if family in MOE_FAMILIES and not s.moe:
@@ -73,7 +76,7 @@ def _check(section: str, s: BackendSupport, device: str, dtype_key: str, dtype: 
                        f"{', '.join(s.families)}")
     ep = sizes.get("expert_parallel", 1)
     if ep > 1 and family is not None and family not in MOE_FAMILIES:
-        out.append(f"{section}.expert_parallel={ep}: model family {family!r} has no experts "
+        out.append(f"{sizes_key}.expert_parallel={ep}: model family {family!r} has no experts "
                    "(set it to 1)")
     return out
 
@@ -101,7 +104,8 @@ def support_problems(recipe: Recipe) -> list[str]:
                    f"{', '.join(sorted(TRAINER_SUPPORT))})")
     else:
         out += _check("trainer", ts, "cuda" if t.num_gpus > 0 else "cpu", "trainer.dtype",
-                      t.dtype, {k: getattr(t, k) for k in _PARALLEL}, family, False)
+                      t.dtype, {k: getattr(t.megatron, k) for k in _PARALLEL}, family, False,
+                      "trainer.megatron")
     return out
 
 

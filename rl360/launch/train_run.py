@@ -4,7 +4,7 @@ engines + session server (Serve) <- env actors <- rollout controller -> trajecto
 -> trainer group -> weights published to every engine replica, while rollouts continue up to
 `train.max_staleness` versions behind (0: synchronous on-policy).
 
-Checkpoints (every `train.checkpoint_every` steps and at the end) hold the policy as HF
+Checkpoints (every `train.checkpoints.every` steps and at the end) hold the policy as HF
 safetensors, the optimizer/step/RNG state, the buffer's queued groups and the controller's
 position in the task stream; `--resume` continues from the newest one, so a run killed with
 `kill -9` loses only the episodes that were in flight and the steps after that checkpoint.
@@ -375,7 +375,7 @@ class TrainRun:
             assert self.ledger is not None
             self.ledger.write(step, "step", ray.get(actors.controller.take_events.remote()),
                               t=time.time(), trained=sorted({m.group_id for m in batch.members}))
-            if ((tr.checkpoint_every and step % tr.checkpoint_every == 0) or step == tr.steps
+            if ((tr.checkpoints.every and step % tr.checkpoints.every == 0) or step == tr.steps
                     or STOP.requested or out_of_time):
                 path = self.checkpoint(step, actors)
                 if STOP.requested or out_of_time:
@@ -409,7 +409,7 @@ class TrainRun:
 
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
-                               actors.controller, self.recipe.train.keep_checkpoints, self.ledger)
+                               actors.controller, self.recipe.train.checkpoints.keep, self.ledger)
 
 
 def save_checkpoint(run_dir: Path, step: int, version: int, trainer: Any, controller: Any,

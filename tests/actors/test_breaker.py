@@ -5,7 +5,7 @@ reasons with ids blanked, and holds while groups score."""
 from __future__ import annotations
 
 from rl360.actors.breaker import CircuitBreaker, reason_key
-from rl360.recipe import TrainSection
+from rl360.recipe import BreakerSection
 from rl360.types import EpisodeRecord
 
 
@@ -20,7 +20,7 @@ def test_reasons_group_the_same_failure() -> None:
 
 
 def test_it_trips_after_the_groups_in_a_row_and_says_why() -> None:
-    breaker = CircuitBreaker(TrainSection(breaker_groups=3))
+    breaker = CircuitBreaker(BreakerSection(groups=3))
     assert breaker.observe(_group(["infra_error"] * 2)) == ""
     assert breaker.observe(_group(["infra_error"] * 2)) == ""
     why = breaker.observe(_group(["infra_error"] * 2))
@@ -29,8 +29,7 @@ def test_it_trips_after_the_groups_in_a_row_and_says_why() -> None:
 
 
 def test_a_scored_episode_breaks_the_row_and_the_rate_trips_on_a_full_window() -> None:
-    breaker = CircuitBreaker(TrainSection(breaker_groups=2, breaker_window=4,
-                                          breaker_infra_rate=0.6))
+    breaker = CircuitBreaker(BreakerSection(groups=2, window=4, infra_rate=0.6))
     assert breaker.observe(_group(["infra_error", "ok"])) == ""
     assert breaker.observe(_group(["infra_error", "ok"])) == ""  # 50% over a full window
     assert "75% of the last 4 episodes" in breaker.observe(_group(["infra_error", "infra_error"]))

@@ -138,15 +138,15 @@ async def test_branches_of_a_session_forest_are_trained_as_samples() -> None:
 async def test_positive_first_curriculum_scales_non_positive_advantages_early() -> None:
     from rl360.actors.buffer import curriculum_factor
 
-    cfg = checked(TrainSection, curriculum="positive-first", curriculum_steps=5, curriculum_floor=0.2)
+    cfg = checked(TrainSection, curriculum={"mode": "positive-first", "steps": 5, "floor": 0.2}).curriculum
     assert [curriculum_factor(cfg, s) for s in (1, 3, 5, 9)] == pytest.approx([0.2, 0.6, 1.0, 1.0])
-    plain, cur = make(), make(curriculum="positive-first", curriculum_steps=5, curriculum_floor=0.2)
+    plain, cur = make(), make(curriculum={"mode": "positive-first", "steps": 5, "floor": 0.2})
     for step in (1, 3, 5):
         for b in (plain, cur):
             b.add_trajectories("g", "t", [traj(1.0), traj(0.0), traj(0.0), traj(0.5)])
         a = [m.advantage for m in (await plain.next_batch(0, step)).members]  # type: ignore[union-attr]
         c = [m.advantage for m in (await cur.next_batch(0, step)).members]  # type: ignore[union-attr]
-        f = curriculum_factor(cur.cfg, step)
+        f = curriculum_factor(cur.cfg.curriculum, step)
         assert any(x > 0 for x in a) and any(x < 0 for x in a)
         assert c == pytest.approx([x if x > 0 else x * f for x in a])
 

@@ -139,7 +139,7 @@ def test_tail_cancellation_requeues_the_slow_task(ray_cluster, tasks_file) -> No
     import ray
 
     _env, buf, _pub, ctl = start(ray, tasks_file, staleness=0, env_kw={"slow_task": "t1"},
-                               tail_keep=1, tail_factor=2.0)
+                               tail={"keep": 1, "factor": 2.0})
     batch = ray.get(buf.next_batch.remote(0, 1, 20.0))  # t1 (slow) is cut, another fills in
     assert batch is not None and "t1" not in {m.task_id for m in batch.members}
     st = ray.get(ctl.status.remote())
@@ -238,7 +238,7 @@ def test_the_circuit_breaker_stops_a_run_that_only_fails_on_infrastructure(ray_c
     from rl360.weights.publisher import WeightPublisher
 
     train = checked(TrainSection, tasks=[tasks_file], group_size=2, groups_per_batch=2, shuffle_window=0,
-                    max_staleness=0, max_in_flight_groups=2, breaker_groups=3)
+                    max_staleness=0, max_in_flight_groups=2, breaker={"groups": 3})
     env = ray.remote(InfraEnvActor).remote()
     buf = ray.remote(TrajectoryBuffer).remote(train, "drgrpo")
     pub = ray.remote(WeightPublisher).remote()
@@ -407,13 +407,13 @@ def test_a_group_runs_on_one_env_actor_and_a_task_stays_on_its_actor(ray_cluster
 
 
 def test_a_task_without_signal_is_parked_skipped_and_probed(ray_cluster, tasks_file) -> None:  # type: ignore[no-untyped-def]
-    """t0 always scores 0 (no GRPO signal), the others always 1. With park_after = 1 and
-    park_passes = 2, one group at a time: t0 runs once, its next two offers are skipped (each
+    """t0 always scores 0 (no GRPO signal), the others always 1. With parking.after = 1 and
+    parking.passes = 2, one group at a time: t0 runs once, its next two offers are skipped (each
     a `park` event holding its stream position), the third is a probe, which parks it again."""
     import ray
 
     env, _buf, _pub, ctl = start(ray, tasks_file, staleness=8, env_kw={"zero_task": "t0"},
-                                 max_in_flight_groups=1, park_after=1, park_passes=2)
+                                 max_in_flight_groups=1, parking={"after": 1, "passes": 2})
     deadline = time.monotonic() + 60
     while len(ray.get(env.log.remote())) < 2 * 16 and time.monotonic() < deadline:
         time.sleep(0.05)

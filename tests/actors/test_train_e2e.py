@@ -31,7 +31,7 @@ def train_cmd(out: Path, steps: int, *extra: str) -> list[str]:
         "ray.dashboard=false", f"serve.port={PORT}", "env.actors=1", "engine.num_cpus=0.5",
         "trainer.num_cpus=0.5", f"train.steps={steps}", "train.group_size=2",
         "train.groups_per_batch=2", "train.task_limit=4", "train.tasks=['examples/tasks/code.jsonl']",
-        "train.sampling.max_tokens=16", "train.checkpoint_every=1", "train.wandb='offline'",
+        "train.sampling.max_tokens=16", "train.checkpoints.every=1", "train.wandb='offline'",
         "train.max_staleness=1",
     ]
     args = [sys.executable, "-m", "rl360", "train", "recipes/cpu-demo.toml", *extra]
@@ -65,9 +65,9 @@ def test_train_checkpoint_kill_and_resume(tmp_path: Path) -> None:
 
     AutoModelForCausalLM.from_pretrained(ckpts[-1] / "model")  # a plain HF checkpoint
 
-    # keep_checkpoints=1: the checkpoint we resume from is rotated away at the first save, and
+    # checkpoints.keep=1: the checkpoint we resume from is rotated away at the first save, and
     # later saves must not need it (they once copied tokenizer files from it)
-    resume = [*train_cmd(tmp_path, 6, "--resume"), "--set", "train.keep_checkpoints=1"]
+    resume = [*train_cmd(tmp_path, 6, "--resume"), "--set", "train.checkpoints.keep=1"]
     out = subprocess.run(resume, cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -153,7 +153,7 @@ def test_async_path_matches_the_sampler_when_the_policy_does_not_move(tmp_path: 
            "WANDB_MODE": "offline"}
     cmd = train_cmd(tmp_path, 5)
     for s in ("train.init=''", "train.max_staleness=2", "train.max_in_flight_groups=6",
-              "trainer.lr=1e-12", "trainer.warmup_steps=0", "train.checkpoint_every=0",
+              "trainer.lr=1e-12", "trainer.warmup_steps=0", "train.checkpoints.every=0",
               "engine.weight_update='inflight'",
               # every sample through the loss (an untrained policy's groups all score 0: with
               # zero advantages they would be skipped, and their mismatch never measured)

@@ -137,7 +137,7 @@ MEG_SETS=(--set "run.name=gpu-meg" --set "run.out_dir=\"$WORK/runs\"" --set "mod
   --set "trainer.micro_batch_size=4" --set "train.steps=1" --set "train.group_size=2"
   --set "train.groups_per_batch=2" --set "train.task_limit=2"
   --set "train.tasks=['examples/tasks/code.jsonl']" --set "train.sampling.max_tokens=16"
-  --set "train.checkpoint_every=1" --set "train.wandb='offline'")
+  --set "train.checkpoints.every=1" --set "train.wandb='offline'")
 
 note "phase A (${T_PHASE}s): sglang-parity, vllm-bench, nccl, megatron-step"
 PIDS=()
@@ -169,7 +169,7 @@ TRAIN_SETS=(--set "run.name=gpu-train" --set "run.out_dir=\"$WORK/runs\"" --set 
   --set "train.weight_sync={transport='collective', backend='nccl'}"
   --set "train.steps=3" --set "train.group_size=2" --set "train.groups_per_batch=4"
   --set "train.task_limit=4" --set "train.tasks=['examples/tasks/code.jsonl']"
-  --set "train.sampling.max_tokens=32" --set "train.checkpoint_every=0"
+  --set "train.sampling.max_tokens=32" --set "train.checkpoints.every=0"
   --set "train.wandb='disabled'")
 note "phase C (${T_PHASE}s): fsdp-train"
 PIDS=()

@@ -59,7 +59,7 @@ num_cpus = 0.5
 steps = 1
 group_size = 2
 groups_per_batch = 1
-checkpoint_every = 0
+checkpoints = {{every = 0}}
 wandb = "disabled"
 """)
     port = free_ports(1)[0]

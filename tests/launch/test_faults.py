@@ -32,7 +32,7 @@ def fault_cmd(out: Path, steps: int, *sets: str) -> list[str]:
         "engine.num_cpus=0.5", "trainer.num_cpus=0.5", f"train.steps={steps}",
         f"train.group_size={GROUP_SIZE}", "train.groups_per_batch=2", "train.task_limit=4",
         "train.tasks=['examples/tasks/code.jsonl']", "train.sampling.max_tokens=16",
-        "train.checkpoint_every=1", "train.wandb='disabled'", "train.max_staleness=1",
+        "train.checkpoints.every=1", "train.wandb='disabled'", "train.max_staleness=1",
         "train.init=''", "train.max_in_flight_groups=4", *sets,
     ]
     args = [sys.executable, "-m", "rl360", "train", "recipes/cpu-demo.toml"]
@@ -96,7 +96,7 @@ def test_every_sandbox_failing_trips_the_breaker(tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "bwrap").write_text(FAKE_BWRAP.format(real=real))
     (bin_dir / "bwrap").chmod(0o755)
-    cmd = fault_cmd(tmp_path, 50, "train.breaker_groups=2")
+    cmd = fault_cmd(tmp_path, 50, "train.breaker.groups=2")
     env = run_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     log = out.stdout[-3000:] + out.stderr[-4000:]

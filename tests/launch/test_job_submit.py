@@ -166,7 +166,7 @@ TRAIN_JOB_SETS = [  # 2 steps of 2 groups x 2 episodes on the tiny model, no war
     "run.name=jobtrain", "model.path='tiny'", "train.init=''", "env.actors=1",
     "engine.num_cpus=0.5", "trainer.num_cpus=0.5", "train.steps=2", "train.group_size=2",
     "train.groups_per_batch=2", "train.task_limit=4", "train.tasks=['examples/tasks/code.jsonl']",
-    "train.sampling.max_tokens=16", "train.checkpoint_every=0",
+    "train.sampling.max_tokens=16", "train.checkpoints.every=0",
 ]
 
 

@@ -71,7 +71,7 @@ def test_reference_33_node_layout() -> None:
 
 def test_moe_recipe_plans_with_expert_parallel() -> None:
     recipe = load_recipe(MOE)
-    assert recipe.engine.expert_parallel == 4 and recipe.trainer.expert_parallel == 1
+    assert recipe.engine.expert_parallel == 4 and recipe.trainer.megatron.expert_parallel == 1
     plan = plan_placement(recipe, declared_nodes(recipe))
     assert set(_by(plan, "engine").values()) == {2}  # 48 replicas x 4 GPUs over 24 nodes
     assert plan.engine_replicas_per_node == 2
@@ -100,9 +100,9 @@ def test_cpu_demo_plans_on_one_local_node() -> None:
                                    "(8 x 8 GPUs, 96 CPUs): 8 fit"),
         (["engine.tensor_parallel=4"], "engine.num_gpus (2) must be at least "
                                        "engine.tensor_parallel (4)"),
-        (["trainer.backend='megatron'", "trainer.tensor_parallel=3"], "trainer.workers (64) must be a multiple of"),
-        (["trainer.backend='megatron'", "trainer.tensor_parallel=4",
-          "trainer.expert_parallel=32"], "trainer.expert_parallel (32) must divide"),
+        (["trainer.backend='megatron'", "trainer.megatron.tensor_parallel=3"], "trainer.workers (64) must be a multiple of"),
+        (["trainer.backend='megatron'", "trainer.megatron.tensor_parallel=4",
+          "trainer.megatron.expert_parallel=32"], "trainer.megatron.expert_parallel (32) must divide"),
         (["cluster.service.nodes=0"], "cluster.service.nodes: a multi-node recipe needs"),
     ],
 )

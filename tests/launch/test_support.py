@@ -73,18 +73,18 @@ def test_megatron_refuses_pipeline_and_expert_parallel_layouts(
     MoE. `rl360 plan` refuses them in one line each, naming key and support."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     dense = REPO / "recipes" / "gpu-dense-8b.toml"
-    rc = _plan(_plan_args(dense, "trainer.backend='megatron'", "trainer.tensor_parallel=2",
-                              "trainer.pipeline_parallel=2"))
+    rc = _plan(_plan_args(dense, "trainer.backend='megatron'", "trainer.megatron.tensor_parallel=2",
+                              "trainer.megatron.pipeline_parallel=2"))
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert len(err) == 1 and err[0].startswith("rl360 plan: trainer.pipeline_parallel=2: the "
+    assert len(err) == 1 and err[0].startswith("rl360 plan: trainer.megatron.pipeline_parallel=2: the "
                                                "'megatron' trainer backend supports")
     assert "tensor_parallel<=64" in err[0]
     moe = REPO / "recipes" / "gpu-moe-30b-a3b.toml"
-    rc = _plan(_plan_args(moe, "trainer.backend='megatron'", "trainer.expert_parallel=8"))
+    rc = _plan(_plan_args(moe, "trainer.backend='megatron'", "trainer.megatron.expert_parallel=8"))
     err = capsys.readouterr().err
     assert rc == 2
-    assert "trainer.expert_parallel=8: the 'megatron' trainer backend" in err
+    assert "trainer.megatron.expert_parallel=8: the 'megatron' trainer backend" in err
     assert "model.family='qwen3_moe' is a mixture of experts" in err
 
 
@@ -98,8 +98,8 @@ def test_megatron_refuses_pipeline_and_expert_parallel_layouts(
     (["trainer.backend='megatron'", "model.family='gpt2'", ELSEWHERE],
      "model.family='gpt2': the 'megatron' trainer backend supports model families llama, "
      "qwen2, qwen3"),
-    (["trainer.backend='fsdp'", "trainer.context_parallel=2"],
-     "trainer.context_parallel=2: the 'fsdp' trainer backend supports data parallel only"),
+    (["trainer.backend='fsdp'", "trainer.megatron.context_parallel=2"],
+     "trainer.megatron.context_parallel=2: the 'fsdp' trainer backend supports data parallel only"),
     (["engine.backend='sglang'", "engine.num_gpus=1", "engine.expert_parallel=2",
       "model.family='qwen3'", ELSEWHERE], "engine.expert_parallel=2: model family 'qwen3' has no experts"),
     (["model.family='qwen3'"], "model.family='qwen3' but model.path 'tiny' is 'llama'"),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rl360.actors.trainer_group import TrainerGroup
-from rl360.recipe import LossSection, TrainerSection
+from rl360.recipe import LossSection, MegatronSection, TrainerSection
 from rl360.types import Batch
 from tests.megatron.conftest import MEGATRON_MISSING, samples
 
@@ -32,7 +32,8 @@ def test_two_megatron_workers_step_like_one(ray_cluster, tiny_dir: Path,  # type
     cfg = TrainerSection(lr=1e-3, micro_batch_size=3, grad_clip=0.5, loss=LossSection(name="ppo"))
     one = MegatronTrainer(cfg, tiny_dir)
     group = TrainerGroup(msgspec.structs.replace(cfg, workers=2, num_cpus=0, backend="megatron",
-                                                 tensor_parallel=tensor_parallel), tiny_dir)
+                                                 megatron=MegatronSection(tensor_parallel=tensor_parallel)),
+                         tiny_dir)
     try:
         b0, b1 = (Batch(samples=samples(9, seed=s, max_len=40), step=s) for s in (11, 12))
         m1, m2 = one.train_step(b0), group.train_step(b0)

@@ -32,8 +32,8 @@ def test_rl360_train_with_the_megatron_backend(tmp_path: Path, tp: int) -> None:
         "trainer.micro_batch_size=4", "train.steps=3", "train.group_size=2",
         "train.groups_per_batch=2", "train.task_limit=4",
         "train.tasks=['examples/tasks/code.jsonl']", "train.sampling.max_tokens=16",
-        "train.checkpoint_every=3", "train.wandb='offline'", "train.max_staleness=1",
-        f"trainer.tensor_parallel={tp}", f"trainer.workers={tp}",
+        "train.checkpoints.every=3", "train.wandb='offline'", "train.max_staleness=1",
+        f"trainer.megatron.tensor_parallel={tp}", f"trainer.workers={tp}",
     ]
     args = [sys.executable, "-m", "rl360", "train", "recipes/cpu-demo.toml"]
     for s in sets:

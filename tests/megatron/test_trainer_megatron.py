@@ -13,7 +13,7 @@ import torch
 
 from rl360.policies.megatron.convert import mcore_to_hf
 from rl360.policies.trainer_torch import TorchTrainer
-from rl360.recipe import LossSection, TrainerSection
+from rl360.recipe import LossSection, MegatronSection, TrainerSection
 from rl360.types import Batch
 from tests.megatron.conftest import MEGATRON_MISSING, samples
 
@@ -126,9 +126,9 @@ def test_sync_weights_checkpoint_and_resume(tiny_dir: Path, tmp_path: Path) -> N
 def test_model_parallel_and_bad_backend_are_refused_by_name(tiny_dir: Path) -> None:
     cfg = TrainerSection(backend="megatron")
     with pytest.raises(NotImplementedError,
-                       match=r"trainer\.pipeline_parallel=2: the megatron backend supports at most 1"):
-        build_trainer(msgspec.structs.replace(cfg, pipeline_parallel=2), tiny_dir)
+                       match=r"trainer.megatron.pipeline_parallel=2: the megatron backend supports at most 1"):
+        build_trainer(msgspec.structs.replace(cfg, megatron=MegatronSection(pipeline_parallel=2)), tiny_dir)
     with pytest.raises(ValueError, match="not a multiple of the model-parallel size 2"):
-        build_trainer(msgspec.structs.replace(cfg, tensor_parallel=2), tiny_dir)  # one process
+        build_trainer(msgspec.structs.replace(cfg, megatron=MegatronSection(tensor_parallel=2)), tiny_dir)  # one process
     with pytest.raises(ValueError, match="trainer backend 'jax'"):
         build_trainer(msgspec.structs.replace(cfg, backend="jax"), tiny_dir)

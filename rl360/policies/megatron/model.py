@@ -34,8 +34,8 @@ class ParallelConfig:
 
     @classmethod
     def of(cls, t: TrainerSection) -> ParallelConfig:
-        return cls(tensor=t.tensor_parallel, pipeline=t.pipeline_parallel,
-                   context=t.context_parallel, expert=t.expert_parallel)
+        return cls(tensor=t.megatron.tensor_parallel, pipeline=t.megatron.pipeline_parallel,
+                   context=t.megatron.context_parallel, expert=t.megatron.expert_parallel)
 
     @property
     def model_parallel(self) -> int:

@@ -62,7 +62,7 @@ class MegatronTrainer(TorchTrainer):
                           ("expert_parallel", self.parallel.expert)):
             if size > getattr(support, key):
                 raise NotImplementedError(
-                    f"trainer.{key}={size}: the megatron backend supports at most "
+                    f"trainer.megatron.{key}={size}: the megatron backend supports at most "
                     f"{getattr(support, key)} ({support.notes})")
         init_parallel(self.parallel, seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu() else torch.device("cpu")
