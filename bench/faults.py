@@ -7,7 +7,12 @@ with `kill -9` mid-run (after --kill-after metrics rows) and then resumed with `
 Each run's ledger (<run dir>/ledger.jsonl, rl360.actors.run_ledger) gives, per fault, the
 episodes re-run, the task occurrences lost and duplicated, and the recovery time (from the
 kill to the end of the next step that trained; for the driver: from the kill to the end of the
-resumed run's first step, which includes starting Ray, Serve and the actors again).
+resumed run's first step, which includes starting Ray, Serve and the actors again). Phase 3:
+a run with the sharded collective weight sync (2 fsdp trainer ranks, 2 engine replicas) that
+loses a replica (killed after step --gap) and then has one stall (SIGSTOP before the weight
+sync of step 2 x --gap): per fault the same figures, plus the stall's one line (the replica, the
+version, the timeout it was named within) and whether the replacement replicas took the newest
+version (the last synced step's replicas and epoch).
 
     .venv/bin/python bench/faults.py [--steps 10] [--gap 2] [--kill-after 2]
 
@@ -35,6 +40,11 @@ from rl360.ray_session import free_port  # noqa: E402
 
 PARTS = ("env_actor", "engine", "shard", "publisher")
 GROUP_SIZE = 4
+# phase 3: the sharded collective weight sync between 2 fsdp ranks and 2 engine replicas
+COLLECTIVE = ("engine.replicas=2", "engine.num_cpus=0.25", "trainer.backend='fsdp'",
+              "trainer.workers=2", "trainer.num_cpus=0.25",
+              "train.weight_sync={transport='collective', sharded=true, bucket_mb=0.05, "
+              "timeout_min_s=8.0, timeout_factor=2.0}")
 
 
 def cmd(out: Path, name: str, steps: int, *sets: str) -> list[str]:
@@ -112,29 +122,65 @@ def phase_driver(out: Path, args: argparse.Namespace) -> tuple[dict, dict]:
     return acc, fault
 
 
+def phase_collective(out: Path, args: argparse.Namespace) -> tuple[dict, dict]:
+    faults = [f"engine@{args.gap}", f"engine_stall@{2 * args.gap}"]
+    steps = 3 * args.gap + 2
+    t0 = time.monotonic()
+    p = subprocess.run(cmd(out, "collective", steps, f"train.inject_faults={faults!r}",
+                           *COLLECTIVE), cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=900)
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"phase 3 failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    acc = account(read_ledger(out / "collective" / "ledger.jsonl"), GROUP_SIZE)
+    rows = [r for r in metrics_rows(out / "collective") if "sync_epoch" in r]
+    stall = [x.removeprefix("rl360: ") for x in p.stderr.splitlines()
+             if "did not take version" in x]
+    last = rows[-1] if rows else {}
+    sync = {"stall_lines": stall, "last_sync_replicas": last.get("sync_replicas"),
+            "last_sync_epoch": last.get("sync_epoch"),
+            "sync_s_max": max((r["sync_s"] for r in rows), default=None)}
+    print(f"phase 3: {steps} steps in {wall:.0f}s with faults {faults} (sharded collective "
+          f"sync); lost {acc['lost']}, duplicated {acc['duplicated']}, episodes re-run "
+          f"{acc['episodes_rerun']}, episodes lost {acc['episodes_lost']}; stall: "
+          f"{stall or 'no line'}; last sync to {sync['last_sync_replicas']} replicas in epoch "
+          f"{sync['last_sync_epoch']}", flush=True)
+    return acc, sync
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--gap", type=int, default=2, help="steps between two injected faults")
     ap.add_argument("--kill-after", type=int, default=2, help="phase 2: kill -9 after N steps")
+    ap.add_argument("--only-collective", action="store_true",
+                    help="phase 3 alone (the sharded collective weight sync's drills)")
     args = ap.parse_args()
     if args.steps <= args.gap * len(PARTS):
         raise SystemExit(f"--steps must exceed {args.gap * len(PARTS)} (--gap x {len(PARTS)})")
     print(f"load: {open('/proc/loadavg').read().strip()} (figures on a loaded box are noisy)")
+    empty = {"lost": 0, "duplicated": 0, "episodes_rerun": 0, "episodes_lost": 0}
     with tempfile.TemporaryDirectory() as d:
-        acc1, faults = phase_parts(Path(d), args)
-        acc2, driver = phase_driver(Path(d), args)
-    faults.append(driver)
-    print(f"{'fault':<10} {'after step':>10} {'re-run':>7} {'lost':>5} {'dup':>4} {'recovery s':>11}")
+        if args.only_collective:
+            (acc1, faults), (acc2, driver) = (empty, []), (empty, None)
+        else:
+            acc1, faults = phase_parts(Path(d), args)
+            acc2, driver = phase_driver(Path(d), args)
+        acc3, sync = phase_collective(Path(d), args)
+    if driver is not None:
+        faults.append(driver)
+    faults += [{**f, "part": f"{f['part']} (collective)"} for f in acc3["faults"]]
+    print(f"{'fault':<24} {'after step':>10} {'re-run':>7} {'lost':>5} {'dup':>4} {'recovery s':>11}")
     for f in faults:
         rec = "-" if f["recovery_s"] is None else f"{f['recovery_s']:.1f}"
-        print(f"{f['part']:<10} {f['step']:>10} {f['episodes_rerun']:>7} {f['lost']:>5} "
+        print(f"{f['part']:<24} {f['step']:>10} {f['episodes_rerun']:>7} {f['lost']:>5} "
               f"{f['duplicated']:>4} {rec:>11}")
+    accs = (acc1, acc2, acc3)
     print(json.dumps({
-        "bench": "faults", "lost": acc1["lost"] + acc2["lost"],
-        "duplicated": acc1["duplicated"] + acc2["duplicated"],
-        "episodes_rerun": acc1["episodes_rerun"] + acc2["episodes_rerun"],
-        "episodes_lost": acc1["episodes_lost"] + acc2["episodes_lost"],
+        "bench": "faults", "lost": sum(a["lost"] for a in accs),
+        "duplicated": sum(a["duplicated"] for a in accs),
+        "episodes_rerun": sum(a["episodes_rerun"] for a in accs),
+        "episodes_lost": sum(a["episodes_lost"] for a in accs), "collective_sync": sync,
         "faults": [{k: f[k] for k in ("part", "episodes_rerun", "lost", "duplicated",
                                       "recovery_s")} for f in faults],
     }))

@@ -94,7 +94,7 @@ class TrainerWorker:
 
     def setup(
         self, config: TrainerSection, model_path: str, master: tuple[str, int], timeout_s: float,
-        temperature: float, seed: int,
+        temperature: float, seed: int, sharded_sync: bool = False,
     ) -> dict[str, Any]:
         import torch
         import torch.distributed as dist
@@ -116,7 +116,8 @@ class TrainerWorker:
                 pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
-        self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed)
+        self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed,
+                                     sharded_sync=sharded_sync)
         n = sum(p.numel() for p in self.trainer.params)
         # where this rank sits: ranks of one data-parallel replica (tensor-parallel peers) get
         # the same samples; a backend without model parallelism is one replica per rank
@@ -169,8 +170,22 @@ class TrainerWorker:
                 adapter = self.trainer.adapter_for_sync
                 self.weight_sender = WeightSender(adapter, adapter, adapter=lora)
             else:
-                self.weight_sender = WeightSender(self._sync_state, self.state_dict_for_sync)
+                self.weight_sender = WeightSender(
+                    self._sync_state, self.state_dict_for_sync, held=self._held_weights,
+                    rank=self.rank, world=self.world_size,
+                    gather=getattr(self.trainer, "gather_full", None))
         return self.weight_sender.handle(call)
+
+    def _held_weights(self) -> dict[str, Tensor]:
+        """The weights this rank holds, as it holds them, for sharded syncs
+        (rl360.weights.shards): an fsdp rank's DTensor shards, a torch rank's parameters."""
+        held = getattr(self.trainer, "held_weights", None)
+        if held is not None:
+            return held()
+        if type(self.trainer) is not TorchTrainer:
+            raise ValueError(f"{type(self.trainer).__name__} cannot send the weights it holds "
+                             "(train.weight_sync.sharded needs trainer.backend fsdp or torch)")
+        return dict(self.trainer.model.state_dict(keep_vars=True))
 
     def save(self, out_dir: str) -> str:
         return str(self.trainer.save(out_dir))
@@ -199,11 +214,13 @@ class TrainerGroup:
         name_prefix: str = "rl360-trainer",
         timeout_s: float = 600.0,
         rank_options: Callable[[int], dict[str, Any]] | None = None,
+        sharded_sync: bool = False,
     ) -> None:
         """`config.workers` ranks of `config.backend`, each with `config.num_cpus/num_gpus`
         unless `rank_options(rank)` gives that rank's Ray options (resources, placement group
         bundle: launch.roles.Placement.trainer_options). `temperature` is the engines' sampling
-        temperature, `seed` the run's."""
+        temperature, `seed` the run's. `sharded_sync`: every rank sends the weights it holds
+        (train.weight_sync.sharded; an fsdp trainer then keeps no gathered copy)."""
         workers, num_cpus, num_gpus = config.workers, config.num_cpus, config.num_gpus
         self.world_size = workers
         self.timeout_s = timeout_s
@@ -221,7 +238,8 @@ class TrainerGroup:
         try:
             master = self._get(self.workers[0].address.remote(timeout_s), "address")
             self.info = self._get(
-                [w.setup.remote(config, str(model_path), master, timeout_s, temperature, seed)
+                [w.setup.remote(config, str(model_path), master, timeout_s, temperature, seed,
+                                sharded_sync)
                  for w in self.workers],
                 "setup",
             )

@@ -8,7 +8,10 @@ The model (per step, workload = train.groups_per_batch x train.group_size episod
                no less than one episode's tokens at one sequence's decode speed
   training   = the same tokens / (trainer.workers x trainer_tokens_per_s)
   weight sync = the measured sync_s, else model bytes (with trainer.lora the adapter's) / sync
-               bandwidth (every sync_every steps)
+               bandwidth (every sync_every steps); for full weights, rl360.weights.sizing's
+               model of the path the recipe takes: the full gather (fsdp and megatron ranks
+               gather, rank 0 sends) or sharded senders (train.weight_sync.sharded); both are
+               printed, with a version's bytes and a sending rank's extra memory
   step       = generation + training + sync when train.max_staleness = 0 (synchronous);
                else the slower of generation and training + sync (they overlap)
 Balance: GPU-seconds of rollout vs of training; the split of the same GPUs that makes them
@@ -21,7 +24,8 @@ import msgspec
 
 from rl360.launch.adapters import version_params
 from rl360.launch.throughput import Figures, _bytes_per_param
-from rl360.recipe import Recipe
+from rl360.recipe import CollectiveSync, Recipe
+from rl360.weights.sizing import SyncCost, sync_cost
 
 
 class Estimate(msgspec.Struct, kw_only=True):
@@ -39,11 +43,33 @@ class Estimate(msgspec.Struct, kw_only=True):
     balanced_trainer_workers: int = 0
     balanced_step_s: float = 0.0
     figures: Figures | None = None
+    sync_cost: SyncCost | None = None  # a full-weight version on paper (rl360.weights.sizing)
+    sharded: bool = False  # the recipe's sync is sharded (train.weight_sync.sharded)
 
 
-def _sync_s(recipe: Recipe, f: Figures) -> float:
+def is_sharded(recipe: Recipe) -> bool:
+    sync = recipe.train.weight_sync
+    return isinstance(sync, CollectiveSync) and sync.sharded
+
+
+def cost_of(recipe: Recipe, f: Figures) -> SyncCost | None:
+    """A full-weight version of the recipe on paper (None for adapter versions or an unknown
+    model size): the ranks that gather for the full-gather path are fsdp's W and megatron's
+    tensor-parallel peers; a torch rank holds the whole model."""
+    if version_params(recipe) or f.params <= 0:
+        return None
+    t, sync = recipe.trainer, recipe.train.weight_sync
+    gather = {"fsdp": t.workers, "megatron": t.megatron.tensor_parallel}.get(t.backend, 1)
+    bucket_mb = sync.bucket_mb if isinstance(sync, CollectiveSync) else 512.0
+    return sync_cost(f.params, t.workers, recipe.model.dtype, "float32", bucket_mb,
+                     f.sync_gb_per_s, gather_ways=gather)
+
+
+def _sync_s(recipe: Recipe, f: Figures, cost: SyncCost | None) -> float:
     if f.sync_s > 0:
         per = f.sync_s
+    elif cost is not None:
+        per = cost.sharded_s if is_sharded(recipe) else cost.full_gather_s
     else:  # with trainer.lora a version is the adapter alone
         params = version_params(recipe) or f.params
         per = params * _bytes_per_param(recipe.model.dtype) / (f.sync_gb_per_s * 1e9)
@@ -62,7 +88,8 @@ def estimate(recipe: Recipe, f: Figures) -> Estimate:
     if f.seq_tokens_per_s > 0:
         gen = max(gen, f.tokens_per_episode / f.seq_tokens_per_s)
     train = tokens / max(t.workers * f.trainer_tokens_per_s, 1e-12)
-    sync = _sync_s(recipe, f)
+    cost = cost_of(recipe, f)
+    sync = _sync_s(recipe, f, cost)
     mode = "synchronous" if tr.max_staleness == 0 else "overlapped"
     step = _step(mode, gen, train, sync)
     if gen >= train + sync:
@@ -72,7 +99,7 @@ def estimate(recipe: Recipe, f: Figures) -> Estimate:
     est = Estimate(episodes=episodes, gen_tokens=tokens, generation_s=gen, training_s=train,
                    sync_s=sync, step_s=step, mode=mode, bottleneck=neck,
                    engine_gpus=e.replicas * e.num_gpus, trainer_gpus=t.workers * t.num_gpus,
-                   figures=f)
+                   figures=f, sync_cost=cost, sharded=is_sharded(recipe))
     _balance(est, recipe)
     return est
 
@@ -109,6 +136,32 @@ def _s(x: float) -> str:
     return f"{x:.3g} s" if x < 10 else f"{x:,.0f} s"
 
 
+def _b(x: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if x >= size:
+            return f"{x / size:.3g} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _sync_lines(est: Estimate, recipe: Recipe) -> list[str]:
+    """A full-weight version on paper: bytes, the link assumed, both paths' time per version
+    and a sending rank's extra memory (the recipe's path marked)."""
+    c = est.sync_cost
+    if c is None:
+        return []
+    t = recipe.trainer
+    mine = ("sharded", "full gather") if est.sharded else ("full gather", "sharded")
+    paths = {"full gather": f"full gather {_s(c.full_gather_s)} a version, rank 0's extra "
+                            f"memory {_b(c.full_gather_peak_bytes)}",
+             "sharded": f"sharded {_s(c.sharded_s)} a version, each of {t.workers} ranks' "
+                        f"extra memory <= {_b(c.rank_peak_bytes)} (its {_b(c.shard_bytes)} "
+                        f"shard + a {_b(c.bucket_bytes)} bucket)"}
+    return [f"    version    {_b(c.version_bytes)} ({recipe.model.dtype}) over "
+            f"{c.link_gb_per_s:g} GB/s a link (assumed)",
+            f"    this path  {paths[mine[0]]}",
+            f"    other      {paths[mine[1]]}"]
+
+
 def render_estimate(est: Estimate, recipe: Recipe) -> list[str]:
     f = est.figures
     assert f is not None
@@ -122,6 +175,7 @@ def render_estimate(est: Estimate, recipe: Recipe) -> list[str]:
              f"  training     {_s(est.training_s)}  ({t.workers} x {t.backend} rank at "
              f"{f.trainer_tokens_per_s:,.0f} tok/s)",
              f"  weight sync  {_s(est.sync_s)}",
+             *_sync_lines(est, recipe),
              f"  step         {_s(est.step_s)}  ({est.mode}: " + (
                  "generation + training + sync)" if est.mode == "synchronous"
                  else "the slower of generation and training + sync)"),

@@ -69,6 +69,12 @@ class StepRow(msgspec.Struct, kw_only=True):
     # weight slot (1) or a fresh object-store object (0); set on steps that synced
     sync_put_s: float | UnsetType = UNSET
     sync_slot: float | UnsetType = UNSET
+    # sharded collective: the epoch of membership the version went out in, the replicas that
+    # took it, and the largest peak of a trainer rank's resident memory above where it
+    # started during its send (MB; unset where /proc does not allow measuring it)
+    sync_epoch: float | UnsetType = UNSET
+    sync_replicas: float | UnsetType = UNSET
+    sync_rank_peak_mb: float | UnsetType = UNSET
     # seconds since this process started the run (Ray, Serve, actors, steps): the x axis of
     # `rl360 plot --x time`; a --resume starts it again from 0
     elapsed_s: float
@@ -127,7 +133,12 @@ def engine_maxima(engines: dict[str, dict[str, Any]]) -> dict[str, float]:
 
 
 def sync_detail(last: dict[str, Any]) -> dict[str, float]:
-    """The object-store sender's figures of the version it just sent (none for others)."""
+    """The object-store sender's figures of the version it just sent, or the sharded
+    collective's (none for others)."""
+    if last.get("kind") == "sharded":
+        peak = last.get("rank_peak_extra_bytes")
+        return {"sync_epoch": float(last["epoch"]), "sync_replicas": float(last["replicas"]),
+                **({"sync_rank_peak_mb": peak / 1e6} if peak is not None else {})}
     if "put_s" not in last:
         return {}
     return {"sync_put_s": float(last["put_s"]), "sync_slot": 1.0 if last.get("slot") else 0.0}

@@ -32,7 +32,7 @@ from rl360.actors.reward_stats import TaskRewards, first_values, with_deltas
 from rl360.actors.run_ledger import RunLedger
 from rl360.actors.trainer_group import STALENESS_PREFIX, TrainerGroup
 from rl360.envs.task_check import check_tasks
-from rl360.launch.faults import faults_after, inject
+from rl360.launch.faults import faults_after, faults_before_sync, inject
 from rl360.launch.roles import Placement
 from rl360.launch.stack import Stack, running_stack
 from rl360.launch.startup import StartupClock
@@ -49,9 +49,10 @@ from rl360.launch.support import support_problems
 from rl360.launch.warm_start import WarmStartError, ensure_warm_start
 from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
-from rl360.recipe import Recipe
+from rl360.recipe import CollectiveSync, Recipe
 from rl360.types import Task
 from rl360.weights.sender import sender_env
+from rl360.weights.shard_transport import WeightSyncFailed
 from rl360.weights.transports import WeightTransport, build_transport
 
 CKPT_META = "rl360_checkpoint.json"
@@ -85,9 +86,11 @@ def start_learners(recipe: Recipe, placement: Placement, model_path: Any) -> tup
     tr, t = recipe.train, recipe.trainer
     buffer = ray.remote(TrajectoryBuffer).options(
         name="rl360-trajectory-buffer", **placement.service_options()).remote(tr, t.advantage)
+    sync = tr.weight_sync
     trainer = TrainerGroup(t, model_path, temperature=tr.sampling.temperature or 1.0,
                            seed=recipe.run.seed,
-                           rank_options=trainer_rank_options(recipe, placement))
+                           rank_options=trainer_rank_options(recipe, placement),
+                           sharded_sync=isinstance(sync, CollectiveSync) and sync.sharded)
     return trainer, buffer
 
 
@@ -221,7 +224,7 @@ class TrainRun:
             print(f"rl360: up: {clock.line()}", file=sys.stderr)
             transport = build_transport(tr.weight_sync, stack.serving, actors.trainer,
                                         recipe.engine.replicas, dtype=recipe.model.dtype,
-                                        inplace=recipe.engine.backend == "torch")
+                                        inplace=recipe.engine.backend == "torch", say=_say)
             try:
                 if self.ckpt is not None:
                     ray.get(actors.buffer.load_state.remote(
@@ -244,6 +247,12 @@ class TrainRun:
             except ray.exceptions.RayActorError as exc:
                 # the controller, the buffer or a trainer rank died: their state does not
                 # survive a restart, so the run ends here and resumes from its newest checkpoint
+            except WeightSyncFailed as exc:  # the fault rules said stop: one line, and where
+                ckpt = latest_checkpoint(self.run_dir)
+                where = (f"continue from {ckpt} with --resume" if ckpt else
+                         "no checkpoint yet: start again")
+                print(f"rl360: {exc}; {where}", file=sys.stderr)
+                return 1
                 ckpt = latest_checkpoint(self.run_dir)
                 where = (f"continue from {ckpt} with --resume" if ckpt else
                          "no checkpoint yet: start again")
@@ -295,7 +304,7 @@ class TrainRun:
         latest = TaskRewards()
         for step in range(self.step0 + 1, tr.steps + 1):
             t0 = time.monotonic()
-            batch = self._next_batch(actors, step)
+            batch = self._next_batch(actors, step, transport)
             if batch is None:  # Ctrl-C / SIGTERM, or the time budget ran out while waiting
                 if not STOP.requested:
                     print(f"rl360: time budget of {tr.max_minutes:g} min reached while waiting "
@@ -313,6 +322,8 @@ class TrainRun:
             if self.version % tr.sync_every == 0:
                 t1 = time.monotonic()
                 transport.publish(self.version)
+            for part in faults_before_sync(tr.inject_faults, step):  # drills: a hung part
+                self._fault(step, part, stack, "before the weight sync of step")
                 sync_s = time.monotonic() - t1
             assert self.traj_log is not None and self.evaluator is not None
             t_log0 = time.monotonic()
@@ -382,10 +393,16 @@ class TrainRun:
                     print(f"rl360: stopped; checkpoint {path} (continue with --resume)")
                     return
             for part in faults_after(tr.inject_faults, step):  # drills: kill a part now
-                killed = inject(part, stack)
-                self.ledger.write(step, "fault", part=part, killed=killed, t=time.time())
-                print(f"rl360: fault drill: killed {killed} ({part}) after step {step}",
-                      file=sys.stderr)
+                self._fault(step, part, stack, "after step")
+
+    def _fault(self, step: int, part: str, stack: Stack, when: str) -> None:
+        """A fault drill: kill (or stall) `part` now; a `fault` row in the ledger."""
+        assert self.ledger is not None
+        killed = inject(part, stack)
+        self.ledger.write(step, "fault", part=part, killed=killed, t=time.time())
+        what = "stalled" if part == "engine_stall" else "killed"
+        print(f"rl360: fault drill: {what} {killed} ({part}) {when} {step}", file=sys.stderr,
+              flush=True)
 
     def _last_eval(self, timeout_s: float = 300.0) -> None:
         """The evaluation still running when the last step is done: waited for (bounded) and
@@ -397,9 +414,13 @@ class TrainRun:
             if ev := self.evaluator.poll(0.0 if out_of_time else timeout_s):
                 self.sink.log({"step": self.sink.rows[-1]["step"], **ev})
 
-    def _next_batch(self, actors: TrainActors, step: int) -> Any:
+    def _next_batch(self, actors: TrainActors, step: int,
+                    transport: WeightTransport | None = None) -> Any:
         """The batch of `step` from the buffer; None once a stop was requested or the time
-        budget is spent. A failed controller (its circuit breaker, say) raises here."""
+        budget is spent. A failed controller (its circuit breaker, say) raises here. While it
+        waits (the trainer idle), a transport that heals gives replicas that (re)started the
+        newest weights (rl360.weights.shard_transport)."""
+        heal = getattr(transport, "heal", None)
         while not STOP.requested and (self.deadline is None or time.monotonic() < self.deadline):
             batch = ray.get(actors.buffer.next_batch.remote(self.version, step, 2.0))
             if batch is not None:
@@ -408,6 +429,8 @@ class TrainRun:
         return None
 
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
+            if heal is not None:
+                heal(self.version)
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
                                actors.controller, self.recipe.train.checkpoints.keep, self.ledger)
 
@@ -451,3 +474,8 @@ def _print_curve(rows: list[dict[str, Any]]) -> None:
     width = 50
     for s, v in pts[:: max(1, len(pts) // 20)]:
         print(f"  step {s:>4} {v:5.3f} {'#' * round(v * width)}")
+
+
+def _say(line: str) -> None:
+    """A weight sync's one-line report (a replica that failed, what the run does about it)."""
+    print(f"rl360: {line}", file=sys.stderr, flush=True)

@@ -43,11 +43,12 @@ def _torch(config: TrainerSection, model_path: str | Path, *, temperature: float
 
 
 def _fsdp(config: TrainerSection, model_path: str | Path, *, temperature: float,
-          seed: int) -> Trainer:
+          seed: int, full_copy: bool = True) -> Trainer:
     from rl360.policies.trainer_fsdp import FSDPTrainer
 
     # FSDP2 over every rank of the trainer group (data parallel, sharded)
-    return FSDPTrainer(config, model_path, temperature=temperature, seed=seed)
+    return FSDPTrainer(config, model_path, temperature=temperature, seed=seed,
+                       full_copy=full_copy)
 
 
 def _megatron(config: TrainerSection, model_path: str | Path, *, temperature: float,
@@ -65,11 +66,21 @@ def _megatron(config: TrainerSection, model_path: str | Path, *, temperature: fl
 
 TRAINER_BACKENDS: dict[str, TrainerFactory] = {"torch": _torch, "fsdp": _fsdp, "megatron": _megatron}
 
+# backends whose every rank can send the weights it holds (train.weight_sync.sharded,
+# rl360.weights.shards): fsdp its shards, torch (replicated) a share of the tensors; megatron
+# sends through rank 0's tensor-parallel gather
+SHARDED_SYNC = ("torch", "fsdp")
+
 
 def build_trainer(config: TrainerSection, model_path: str | Path, *, temperature: float = 1.0,
-                  seed: int = 0) -> Trainer:
-    """The trainer of `config.backend` (the recipe's [trainer] section)."""
+                  seed: int = 0, sharded_sync: bool = False) -> Trainer:
+    """The trainer of `config.backend` (the recipe's [trainer] section). `sharded_sync`: every
+    rank sends its own weights (an fsdp trainer then keeps no gathered copy)."""
     factory = TRAINER_BACKENDS.get(config.backend)
     if factory is None:
         raise ValueError(f"trainer backend {config.backend!r} not in {sorted(TRAINER_BACKENDS)}")
-    return factory(config, model_path, temperature=temperature, seed=seed)
+    if sharded_sync and config.backend not in SHARDED_SYNC:
+        raise ValueError(f"train.weight_sync.sharded: trainer backend {config.backend!r} sends "
+                         f"through rank 0; sharded senders need one of {list(SHARDED_SYNC)}")
+    extra = {"full_copy": False} if sharded_sync and config.backend == "fsdp" else {}
+    return factory(config, model_path, temperature=temperature, seed=seed, **extra)

@@ -21,6 +21,9 @@ micro-batch reaches the model:
 - Weights for the engines: after each step (and at start / load) the full parameters are
   gathered (`DTensor.full_tensor`) and rank 0 keeps a CPU copy, so `state_dict_for_sync` on
   rank 0 needs no collective (the trainer group and the weight transports ask rank 0 only).
+  With `full_copy=False` (sharded weight sync, `train.weight_sync.sharded`) nothing is
+  gathered: every rank sends its own shards (`held_weights`, rl360.weights.shards), and the
+  full weights exist only while `save` writes the HF export or `gather_full` is asked for.
 - Checkpoints: `save` is collective (`collective_checkpoint`): model and optimizer shards go
   to `<dir>/fsdp` with torch.distributed.checkpoint (resume: `load` on every rank, same W),
   and rank 0 writes an HF safetensors export (+ config, tokenizer files, trainer_state.pt) in
@@ -65,14 +68,20 @@ class FSDPTrainer(TorchTrainer):
     native_model_ok = False  # transformers' model: FSDP2 wraps its decoder layers
     fused_head_ok = False  # the head's weight is a shard outside its module's forward
 
-    def __init__(self, config: TrainerSection, model_path: str | Path, **kwargs: Any) -> None:
-        """As `TorchTrainer` (the trainer group's process group is the FSDP group)."""
+    def __init__(self, config: TrainerSection, model_path: str | Path, *,
+                 full_copy: bool = True, **kwargs: Any) -> None:
+        """As `TorchTrainer` (the trainer group's process group is the FSDP group).
+        `full_copy=False`: keep no gathered copy of the weights (sharded weight sync)."""
+        self.full_copy = full_copy
         if not dist.is_initialized():  # one rank on its own: a private 1-process group
             gpu = config.device != "cpu" and config.num_gpus > 0 and torch.cuda.is_available()
             dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo",
                                     store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(config, model_path, **kwargs)
-        self._full: dict[str, Tensor] = self._gather()
+        if not full_copy and self.lora is not None:
+            raise ValueError("sharded weight sync sends full weights: it does not take "
+                             "trainer.lora (adapter versions go through rank 0)")
+        self._full: dict[str, Tensor] = self._gather() if full_copy else {}
 
     # ------------------------------------------------------------------ sharding
 
@@ -199,8 +208,26 @@ class FSDPTrainer(TorchTrainer):
     ) -> dict[str, float]:
         metrics = super().train_step(batch, global_tokens, global_seqs)
         self._full = {}  # drop the old copy before gathering the new one
-        self._full = self._gather()
+        if self.full_copy:
+            self._full = self._gather()
         return metrics
+
+    def held_weights(self) -> dict[str, Tensor]:
+        """This rank's weights as it holds them: name -> DTensor (its dim-0 shard) under the
+        HF names, tied weights one object under both names (rl360.weights.shards)."""
+        return dict(self.model.state_dict(keep_vars=True))
+
+    def gather_full(self) -> int:
+        """Collective: gather the full weights into rank 0's copy now (what every step does
+        with `full_copy`); returns its bytes on rank 0 (0 elsewhere)."""
+        self._full = {}
+        self._full = self._gather()
+        return sum(t.numel() * t.element_size() for t in self._full.values())
+
+    def drop_full(self) -> None:
+        """Let the gathered copy go (`full_copy=False`: until the next gather_full)."""
+        if not self.full_copy:
+            self._full = {}
 
     def _gather(self) -> dict[str, Tensor]:
         """Every rank gathers each full parameter in turn; rank 0 keeps CPU copies under the
@@ -227,6 +254,9 @@ class FSDPTrainer(TorchTrainer):
         """The full weights after the latest step (rank 0 only, no collective)."""
         if self.rank != 0:
             raise RuntimeError("fsdp trainer: only rank 0 holds the gathered weights for sync")
+        if not self._full:
+            raise RuntimeError("fsdp trainer with sharded weight sync keeps no gathered copy: "
+                               "every rank sends its shards (gather_full gathers one)")
         if self.lora is not None:
             return merged_state(self._full, self.lora.scaling)
         return dict(self._full)
@@ -251,14 +281,18 @@ class FSDPTrainer(TorchTrainer):
         if self.optimizer.state:  # no step yet: nothing to save (and DCP would invent one)
             state["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
         dcp.save(state, checkpoint_id=out / SHARDS_DIR)
+        # without a kept copy every rank gathers for rank 0's export (a collective), then
+        # it is let go
+        full = self._full if self.full_copy else self._gather()
         if self.rank == 0 and self.lora is not None:
-            save_adapter(out, adapter_state(self._full), self.lora,
+            save_adapter(out, adapter_state(full), self.lora,
                          str(self.model_path.resolve()))
         elif self.rank == 0:
-            save_torch_state_dict(self._full, out, max_shard_size="5GB")
+            save_torch_state_dict(full, out, max_shard_size="5GB")
             self.model.config.save_pretrained(out)
             if getattr(self.model, "generation_config", None) is not None:
                 self.model.generation_config.save_pretrained(out)
+        del full
         if self.rank == 0:
             for name, data in self._side_files.items():
                 if not (out / name).exists():
@@ -286,4 +320,5 @@ class FSDPTrainer(TorchTrainer):
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self._restore_train_state(train_state)
         self._full = {}
-        self._full = self._gather()
+        if self.full_copy:
+            self._full = self._gather()

@@ -63,6 +63,22 @@ class CollectiveSync(Section, tag_field="transport", tag="collective"):
       pass over the weights on both sides).
     ipc: "auto" uses CUDA IPC handles instead of NCCL when the sender and an engine share one
       physical GPU (NCCL cannot put two ranks on one device); "never" forbids it.
+    sharded: every trainer rank sends the weights it holds (fsdp: its shards; torch: a share of
+      the tensors) in the engines' dtype, in buckets of `bucket_mb`, over a group of its own
+      with every replica; no rank gathers the full model (a rank's extra memory during a sync
+      is one bucket). The groups are formed again whenever replicas join or leave (a new
+      epoch), and a (re)started replica takes the newest version before it serves. Buckets
+      carry an xxh3 checksum (checked on gloo always, on NCCL with `checksum`).
+      rl360.weights.shards, docs/weight-sync.md.
+    timeout_s: with `sharded`, the bound on a sync that forms groups (the first, and each one
+      after replicas joined or left) and on a wait for a live replica to register (the first
+      sync waits at least 10 minutes for the engines to load).
+    timeout_factor, timeout_min_s: with `sharded`, every other broadcast and every wait on a
+      replica is bounded by timeout_factor x the slowest of the last syncs, at least
+      timeout_min_s. A replica that does not take a version within it is named in one line.
+    on_failure: with `sharded`, what a replica that did not take a version costs: "replace"
+      (kill it, Serve starts another, which takes the newest version before it serves; the
+      version is sent again to the others) or "stop" (the run ends with that line).
     """
 
     backend: Literal["gloo", "nccl"] = "gloo"
@@ -71,6 +87,11 @@ class CollectiveSync(Section, tag_field="transport", tag="collective"):
     checksum: bool = False
     ipc: Literal["auto", "never"] = "auto"
     group_name: str = "rl360-weights"
+    sharded: bool = False
+    timeout_s: Annotated[float, Meta(gt=0.0)] = 120.0
+    timeout_factor: Annotated[float, Meta(ge=1.0)] = 5.0
+    timeout_min_s: Annotated[float, Meta(gt=0.0)] = 10.0
+    on_failure: Literal["replace", "stop"] = "replace"
 
 
 WeightSync = ObjectStoreSync | CollectiveSync
@@ -177,10 +198,12 @@ class TrainSection(Section):
     sampling: SamplingSection = msgspec.field(default_factory=SamplingSection)
     # fault drills (tests/launch/test_faults.py, bench/faults.py): "PART@N" kills one PART of
     # the run right after step N (env_actor, engine, shard, publisher); Ray or Serve restarts
-    # it and the run must go on, losing no task (<run dir>/ledger.jsonl says what happened)
+    # it and the run must go on, losing no task (<run dir>/ledger.jsonl says what happened).
+    # engine_stall stops (SIGSTOP) an engine replica on this node just before step N's weight
+    # sync: the sync must name it within its timeout and follow train.weight_sync.on_failure
     inject_faults: list[Annotated[str, Meta(
-        pattern=r"^(env_actor|engine|shard|publisher)@[1-9][0-9]*$")]] = msgspec.field(
-            default_factory=list)
+        pattern=r"^(env_actor|engine|engine_stall|shard|publisher)@[1-9][0-9]*$")]] = \
+        msgspec.field(default_factory=list)
 
 
 class SftSection(Section):

@@ -11,6 +11,7 @@ name -> tensor TensorUpdate.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from rl360.weights.gloo import GlooGroup
@@ -21,10 +22,24 @@ from rl360.weights.receiver import Intake
 
 def replica_info(intake: Intake) -> dict[str, Any]:
     """What the transport needs to plan a group: ranks this replica takes, the layout it
-    receives, and its GPU's UUID ("" without one)."""
+    receives, its GPU's UUID ("" without one), its Ray actor's name and namespace ("" outside
+    a named actor: a sharded sync checks that the actor lives, and replaces it) and its
+    process id (the engine_stall fault drill)."""
     own = intake.own_group
     return {"width": intake.group_width if own else 1,
-            "layout": "per_tensor" if own else "flat", "gpu": gpu_uuid()}
+            "layout": "per_tensor" if own else "flat", "gpu": gpu_uuid(), **_actor()}
+
+
+def _actor() -> dict[str, str]:
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        name = ctx.get_actor_name() if ray.is_initialized() else None
+        return {"actor": name or "", "namespace": _namespace(name, ctx) if name else "",
+                "pid": os.getpid()}
+    except Exception:
+        return {"actor": "", "namespace": "", "pid": os.getpid()}
 
 
 async def gpu_state(payload: dict[str, Any], intake: Intake, rank: int,
@@ -66,3 +81,18 @@ def sent_names(payload: dict[str, Any]) -> list[str]:
     if payload.get("buckets"):
         return [n for b in payload["buckets"] for n, _, _ in b]
     return [n for n, _, _ in payload.get("spec", [])]
+
+
+def _namespace(name: str, ctx: Any) -> str:
+    """The namespace this named actor lives in: the job's, or Serve's ("serve") for a Serve
+    replica, which the runtime context does not tell apart."""
+    import ray
+
+    me = ctx.get_actor_id()
+    for ns in (ctx.namespace, "serve"):
+        try:
+            if ray.get_actor(name, namespace=ns)._actor_id.hex() == me:
+                return str(ns)
+        except ValueError:
+            continue
+    return ""

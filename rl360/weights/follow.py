@@ -15,6 +15,9 @@ What an announcement holds, by transport:
   (rl360.weights.collective_replica);
 - a gloo collective version: received here over the gloo group into a TensorUpdate (an
   AdapterUpdate when the payload describes an adapter);
+- a sharded collective version ({"kind": "sharded"}: every trainer rank's buckets over groups
+  of an epoch of membership): received from every rank at once into a TensorUpdate, or waited
+  out by a replica outside the epoch (rl360.weights.shard_replica);
 - an adapter version in the object store ({"kind": "adapter"}): fetched into an AdapterUpdate
   (rl360.weights.adapters), its checksum checked;
 - a plain [ref] (a state dict the driver put): fetched into a TensorUpdate.
@@ -37,6 +40,7 @@ from rl360.weights.payloads import (
     WeightUpdate,
 )
 from rl360.weights.receiver import Intake, WeightReceiver
+from rl360.weights.shard_replica import ShardLinks, is_sharded, take_sharded
 
 if TYPE_CHECKING:
     from rl360.weights.slots import SlotReader
@@ -56,6 +60,7 @@ class _Links:
         self.slots = slots
         self.receiver: Any = None  # a planned group's receiver (NCCL, or gloo by buckets)
         self.gloo: Any = None  # the CPU collective's gloo group
+        self.shards = ShardLinks()  # the sharded collective's groups, plan and epoch
 
 
 async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
@@ -73,8 +78,8 @@ async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
     from rl360.weights.slots import SlotReader, SlotWatch
 
     intake = backend.weight_intake()
-    rank = await publisher.register.remote(replica, await asyncio.to_thread(replica_info,
-                                                                            intake))
+    info = await asyncio.to_thread(replica_info, intake)
+    rank = await publisher.register.remote(replica, info)
     links = _Links(SlotReader())
     have = backend.version
     first = True
@@ -85,9 +90,10 @@ async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
         while True:
             if poll is None:
                 await publisher.report_stats.remote(replica, backend.health(), have,
-                                                    serving_slot)
+                                                    serving_slot, info)
                 poll = asyncio.ensure_future(publisher.wait_newer.remote(
-                    have, 0.0 if first else poll_s, replica))
+                    max(have, links.shards.skip), 0.0 if first else poll_s, replica,
+                    links.shards.epoch))
                 first = False
             waits: list[asyncio.Future[Any]] = [poll]
             if watch is not None and watch.after >= have:
@@ -109,6 +115,12 @@ async def follow_weights(publisher: Any, backend: WeightReceiver, replica: str,
                 watch.stop()
                 watch = None
                 watched = True
+            if is_sharded(payload):  # every trainer rank's buckets, over an epoch's groups
+                have, serving = await take_sharded(publisher, backend, replica, version,
+                                                   payload, have, links.shards)
+                if serving and caught_up is not None:
+                    caught_up.set()
+                continue
             if version <= have or not payload:
                 if caught_up is not None:
                     caught_up.set()

@@ -73,6 +73,18 @@ def init_weight_group(backend: str, host: str, port: int, world: int, rank: int,
     store, rank, world = next(c10d.rendezvous(f"tcp://{host}:{port}", rank, world,
                                               timeout=timeout))
     store.set_timeout(timeout)
+    return group_over_store(backend, store, rank, world, group_name, timeout_s)
+
+
+def group_over_store(backend: str, store: Any, rank: int, world: int, group_name: str,
+                     timeout_s: float) -> Any:
+    """A standalone process group of `world` ranks over a rendezvous `store` (its keys under
+    `group_name`); never the default group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if backend == "nccl":
+        require_cuda("an NCCL weight group")
+    timeout = timedelta(seconds=timeout_s)
     store = c10d.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     opts = "backend_options" if "backend_options" in params else "pg_options"

@@ -144,24 +144,40 @@ def tensor_checksum(t: torch.Tensor, limit: int | None = None) -> int:
     elements. 8-byte elements are read as two 32-bit words. `limit` checksums only the first
     `limit` elements (for engines that expose just a prefix of a weight, like SGLang's
     get_weights_by_name)."""
-    import torch
-
     flat = t.detach().contiguous().reshape(-1)
     if limit is not None:
         flat = flat[:limit]
+    total, n, width = partial_checksum(flat, 0)
+    return finish_checksum(total, n, width)
+
+
+def partial_checksum(flat: torch.Tensor, start: int) -> tuple[int, int, int]:
+    """The position-weighted part of `tensor_checksum` for the elements of a flat tensor that
+    sit at [start, start + numel) of the whole one: (sum mod 2**61 - 1, elements, word
+    width). Parts of disjoint ranges add up (mod 2**61 - 1) to the whole tensor's: ranks that
+    each hold a shard checksum the full tensor without gathering it (finish_checksum)."""
+    import torch
+
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    if flat.element_size() == 8:
-        flat = flat.view(torch.int32)
+    if flat.element_size() == 8:  # two 32-bit words per element, at twice the position
+        flat, start = flat.view(torch.int32), 2 * start
     width = flat.element_size()
     bits = flat.view(getattr(torch, _INT_VIEW[width]))
     mask = (1 << (8 * width)) - 1
     total = 0
-    for start in range(0, bits.numel(), _CHUNK):
-        chunk = bits[start:start + _CHUNK].to(torch.int64) & mask  # unsigned raw bits
-        pos = torch.arange(start, start + chunk.numel(), device=chunk.device) % 251 + 1
+    for at in range(0, bits.numel(), _CHUNK):
+        chunk = bits[at:at + _CHUNK].to(torch.int64) & mask  # unsigned raw bits
+        pos = (torch.arange(start + at, start + at + chunk.numel(), device=chunk.device)
+               % 251 + 1)
         total = (total + int((chunk * pos).sum())) % _MOD
-    return (total + numel(flat.shape) * 1_000_003 + width) % _MOD
+    return total, flat.numel(), width
+
+
+def finish_checksum(total: int, words: int, width: int) -> int:
+    """`tensor_checksum` from the sum of its parts (`words`: 32-bit words for 8-byte
+    elements, else elements)."""
+    return (total + words * 1_000_003 + width) % _MOD
 
 
 def checksum_state(state: Mapping[str, torch.Tensor],

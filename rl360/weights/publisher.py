@@ -6,6 +6,10 @@ broadcast) and publishes it here; every engine replica long-polls the publisher 
 background task (rl360.weights.follow.follow_weights) and applies newer versions between
 batches. A replica that starts late fetches the newest version at once. Versions only move
 forward; an older or equal version is ignored by the backend, which logs it.
+
+Sharded collective syncs (rl360.weights.shard_transport) also carry an epoch of membership: the
+same version may be announced again in a newer epoch (sent again to a re-formed group), and a
+replica polling with the epoch it last took part in is woken by a newer one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class WeightPublisher:
 
     def __init__(self) -> None:
         self.version = 0
+        self.epoch = 0  # the sharded collective's epoch of membership (0: none yet)
         # [ObjectRef] (wrapped so Ray does not resolve it), or a collective-group payload
         self.refs: list[Any] | dict[str, Any] = []
         self.published_at = 0.0
@@ -67,6 +72,46 @@ class WeightPublisher:
         self._changed.set()
         self._changed = asyncio.Event()
         return True
+
+    async def publish_sharded(self, version: int, payload: dict[str, Any]) -> bool:
+        """A version sent over a sharded collective's groups of epoch `payload["epoch"]`
+        (rl360.weights.shard_transport): newer than the newest, or the newest again in a newer
+        epoch (sent again to a re-formed group)."""
+        epoch = int(payload["epoch"])
+        if version < self.version or (version == self.version and epoch <= self.epoch):
+            log.warning("not publishing version %d (epoch %d): %d (epoch %d) is out", version,
+                        epoch, self.version, self.epoch)
+            return False
+        self.epoch = epoch
+        self.version, self.refs, self.published_at = version, payload, time.time()
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return True
+
+    async def forget(self, replica: str) -> None:
+        """A replica that is gone (dead, or replaced): out of the membership and every
+        record, so waits no longer count it. A replica that is in fact alive registers again
+        with its next report."""
+        for table in (self.ranks, self._members, self.applied, self.engine_stats, self.stats_at,
+                      self.details, self.serving, self.loading, self.hinted):
+            table.pop(replica, None)  # type: ignore[attr-defined]
+        self._notify()
+
+    async def wait_taken(self, version: int, epoch: int, replicas: list[str],
+                         timeout_s: float) -> dict[str, str]:
+        """Wait up to `timeout_s` until each of `replicas` answered for `version` in `epoch`
+        (took it, or reported why not); returns those that did not take it: the reason each
+        reported, "" for one that said nothing."""
+        def answer(r: str) -> str | None:
+            d = self.details.get(r, {})
+            if d.get("epoch") != epoch:
+                return ""
+            if int(d.get("received", 0)) >= version:
+                return None
+            return str(d.get("failed", ""))
+
+        await self._wait_for(lambda: all(answer(r) != "" for r in replicas), timeout_s)
+        return {r: a for r in replicas if (a := answer(r)) is not None}
 
     async def publish_packed(self, version: int, meta: dict[str, Any]) -> bool:
         """A packed version (rl360.weights.packing): a full one starts a new chain, a
@@ -185,11 +230,14 @@ class WeightPublisher:
                                f"registered for weight sync within {timeout_s:.0f}s")
         return dict(self.ranks)
 
-    async def wait_newer(self, have: int, timeout_s: float, replica: str = "") -> tuple[int, Any]:
-        """The newest version once it is newer than `have` (or after `timeout_s`). A version
+    async def wait_newer(self, have: int, timeout_s: float, replica: str = "",
+                         epoch: int = -1) -> tuple[int, Any]:
+        """The newest version once it is newer than `have`, or announced in an epoch newer
+        than `epoch` (a sharded collective's, when >= 0), or after `timeout_s`. A version
         in a weight slot handed to `replica` claims that slot until it applies a newer one;
         so does the sender's hint of the slot after it (answered at once if not yet handed)."""
-        if self.version <= have and not self._hint_news(replica):
+        if self.version <= have and not self._hint_news(replica) and not \
+                (epoch >= 0 and self.epoch > epoch):
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except TimeoutError:
@@ -258,9 +306,13 @@ class WeightPublisher:
         return True
 
     async def report_stats(self, replica: str, stats: dict[str, Any], version: int = 0,
-                           slot: str | None = None) -> None:
+                           slot: str | None = None, info: dict[str, Any] | None = None
+                           ) -> None:
         """A replica's health every poll, with the version (and weight slot) it serves: a
-        restarted publisher learns what every replica serves again within one poll."""
+        restarted publisher learns what every replica serves again within one poll, and
+        registers again (`info`, as `register`'s) a replica it does not know."""
+        if info is not None and replica not in self.ranks:
+            await self.register(replica, info)
         self.engine_stats[replica] = stats
         self.stats_at[replica] = time.monotonic()
         if slot is not None:

@@ -11,7 +11,10 @@ the rank's one remote method, `weights(call)`, with a `SenderCall`:
   `Ipc` / `ReleaseIpc` when the engines share the sender's GPU (rl360.weights.nccl);
 - the checksum option: `Checksums` of what the sender sent;
 - `Describe`: what a collective payload says of the version besides its tensors (an adapter's
-  shape and checksum; nothing for full versions).
+  shape and checksum; nothing for full versions);
+- sharded collective (every rank, `train.weight_sync.sharded`): `ShardLayout`, then per epoch
+  of membership `ShardListen`, and `ShardSend` per version (rl360.weights.shards); `Gather`
+  gathers the full weights into rank 0's copy on demand (every rank: a collective).
 
 With `trainer.lora` the sender is in adapter mode (`adapter`: the adapter's rank, alpha and
 targets): its state is the adapter's tensors, `Pack` puts an adapter version
@@ -35,6 +38,7 @@ from rl360.weights.adapters import describe, pack_adapter, put_adapter
 from rl360.weights.gloo import GlooGroup, tensor_spec
 from rl360.weights.nccl import GroupSender, gpu_uuid
 from rl360.weights.packing import WeightPacker, make_sender, put_packet
+from rl360.weights.shard_groups import ShardSender, current_rss, peak_rss, reset_peak_rss
 from rl360.weights.slots import SlotWriter, writer_env, writes_slots
 
 if TYPE_CHECKING:
@@ -93,6 +97,53 @@ class Describe(msgspec.Struct, tag="describe"):
     """{"adapter": {rank, alpha, targets, checksum}} in adapter mode, else {}."""
 
 
+class ShardLayout(msgspec.Struct, tag="shard_layout"):
+    """This rank's part of a sharded sync's plan: its pieces of the weights, cast to `dtype`,
+    in buckets of at most `bucket_mb` (rl360.weights.shards.RankPart)."""
+
+    dtype: str | None
+    bucket_mb: float
+
+
+class ShardListen(msgspec.Struct, tag="shard_listen"):
+    """Open the rendezvous of epoch `epoch`'s group (this rank + `world` - 1 replicas);
+    returns (host, port)."""
+
+    epoch: int
+    world: int
+    timeout_s: float
+
+
+class ShardSend(msgspec.Struct, tag="shard_send"):
+    """Broadcast this rank's buckets of the current weights as `version` over epoch `epoch`'s
+    group (formed first if new, within `form_timeout_s`; each bucket within `timeout_s`)."""
+
+    epoch: int
+    version: int
+    backend: str
+    form_timeout_s: float
+    timeout_s: float
+    checksum: bool = True
+
+
+class ShardChecksums(msgspec.Struct, tag="shard_checksums"):
+    """This rank's parts of the per-tensor checksums of what it sends (the checksum option of
+    a sharded sync; rl360.weights.shards.full_checksums adds them up)."""
+
+
+class Gather(msgspec.Struct, tag="gather"):
+    """Every rank at once: gather the full weights into rank 0's copy (a trainer that keeps
+    none, for the full-gather path); returns rank 0's bytes."""
+
+
+class Rss(msgspec.Struct, tag="rss"):
+    """This process's resident bytes and their peak since the last reset ({"rss", "peak"});
+    `reset`: start a new peak here (what a sharded send measures of itself; benches ask it of
+    the other paths)."""
+
+    reset: bool = False
+
+
 class Checksums(msgspec.Struct, tag="checksums"):
     """The sender's checksums, per name up to `limits[name]` elements, cast to `dtype`."""
 
@@ -100,7 +151,8 @@ class Checksums(msgspec.Struct, tag="checksums"):
     dtype: str | None
 
 
-SenderCall = Pack | Spec | OpenGroup | Send | GpuUuid | Ipc | ReleaseIpc | Checksums | Describe
+SenderCall = (Pack | Spec | OpenGroup | Send | GpuUuid | Ipc | ReleaseIpc | Checksums | Describe
+              | ShardLayout | ShardListen | ShardSend | ShardChecksums | Gather | Rss)
 
 
 class WeightSender:
@@ -110,9 +162,13 @@ class WeightSender:
     into the object store, a weight slot or a socket). `snapshot()`: a copy safe to keep while
     the trainer steps (the GPU paths, the spec and the checksums); `views` when not given.
     `adapter`: adapter mode (rank, alpha, targets; rl360.policies.lora.LoraSpec), `views` then
-    gives the adapter's tensors."""
+    gives the adapter's tensors. `held()`: the weights this rank holds, as it holds them
+    (DTensor shards for fsdp), for sharded syncs from every rank (`rank` of `world`);
+    `gather()`: the trainer's collective full gather (rank 0 keeps the copy)."""
 
-    def __init__(self, views: State, snapshot: State | None = None, adapter: Any = None) -> None:
+    def __init__(self, views: State, snapshot: State | None = None, adapter: Any = None, *,
+                 held: State | None = None, rank: int = 0, world: int = 1,
+                 gather: Callable[[], int] | None = None) -> None:
         self.views = views
         self.snapshot = snapshot or views
         self.adapter = adapter
@@ -120,6 +176,9 @@ class WeightSender:
         self._slots: SlotWriter | None = None
         self._gloo: GlooGroup | None = None
         self._group: GroupSender | None = None
+        self._held, self._gather = held, gather
+        self.rank, self.world = rank, world
+        self._shards: ShardSender | None = None
 
     def handle(self, call: SenderCall) -> Any:
         """Run one call (what the rank's remote `weights` method does)."""
@@ -142,6 +201,23 @@ class WeightSender:
                 return self.group().checksums(limits, dtype)
             case Describe():
                 return self.describe()
+            case ShardLayout(dtype, bucket_mb):
+                return self.shards().layout(dtype, bucket_mb)
+            case ShardListen(epoch, world, timeout_s):
+                return self.shards().listen(epoch, _node_ip(), world, timeout_s)
+            case ShardSend(epoch, version, backend, form_timeout_s, timeout_s, checksum):
+                return self.shards().send(epoch, version, backend, form_timeout_s, timeout_s,
+                                          checksum)
+            case ShardChecksums():
+                return self.shards().checksums()
+            case Rss(reset):
+                if reset:
+                    reset_peak_rss()
+                return {"rss": current_rss(), "peak": peak_rss()}
+            case Gather():
+                if self._gather is None:
+                    raise RuntimeError("this trainer rank cannot gather its weights")
+                return self._gather()
         raise TypeError(f"not a weight sender call: {call!r}")
 
     def pack(self, version: int, packer: dict[str, Any], publisher: Any = None
@@ -190,6 +266,18 @@ class WeightSender:
             return sum(v.numel() * v.element_size() for v in state.values())
         return self.group().send(buckets, layout)
 
+    def shards(self) -> ShardSender:
+        """This rank's sharded sender (rl360.weights.shards), made at first use."""
+        if self.adapter is not None:
+            raise ValueError("train.weight_sync.sharded sends full weights; with trainer.lora "
+                             "adapter versions go through rank 0 (sharded = false)")
+        if self._held is None:
+            raise ValueError("this trainer cannot send the weights it holds "
+                             "(train.weight_sync.sharded needs trainer.backend fsdp or torch)")
+        if self._shards is None:
+            self._shards = ShardSender(self._held, self.rank, self.world)
+        return self._shards
+
     def group(self) -> GroupSender:
         """The named group's sender (NCCL, CUDA IPC, checksums), made at first use."""
         if self._group is None:
@@ -203,3 +291,13 @@ def sender_env(sync: WeightSync, environ: Mapping[str, str] = os.environ) -> dic
     writes = isinstance(sync, ObjectStoreSync) and writes_slots(sync.slots, sync.zero_copy,
                                                                 sync.delta)
     return writer_env(environ) if writes else {}
+
+
+def _node_ip() -> str:
+    """This node's address for a group's rendezvous (loopback outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
+    except Exception:
+        return "127.0.0.1"

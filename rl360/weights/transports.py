@@ -8,7 +8,8 @@ WeightPublisher actor, which the replicas long-poll (rl360.weights.follow.follow
   the same node) and loads it into its parameters in place (rl360.weights.packing).
 - "collective": a gloo group (NCCL on GPUs) of the sender (rank 0) and every engine replica;
   the weights are flattened into one buffer per dtype and broadcast, then unflattened on the
-  replicas. No object store copy at all.
+  replicas. No object store copy at all. With `sharded`, every trainer rank sends what it
+  holds over groups that re-form with the live replicas (rl360.weights.shard_transport).
 
 With `trainer.lora` the sender sends adapter versions (rl360.weights.adapters) through either
 (the collective on gloo): the same calls, the adapter's tensors instead of the weights.
@@ -17,6 +18,7 @@ With `trainer.lora` the sender sends adapter versions (rl360.weights.adapters) t
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from rl360.ray_session import free_port
@@ -33,6 +35,7 @@ from rl360.weights.sender import (
     Send,
     Spec,
 )
+from rl360.weights.shard_transport import ShardedTransport
 
 
 class WeightTransport(Protocol):
@@ -208,10 +211,14 @@ class CollectiveTransport:
 
 
 def build_transport(sync: WeightSync, serving: Any, trainer: Any, replicas: int, *,
-                    dtype: str | None = None, inplace: bool = True) -> WeightTransport:
+                    dtype: str | None = None, inplace: bool = True,
+                    say: Callable[[str], None] | None = None) -> WeightTransport:
     """The transport of the recipe's [train.weight_sync] for a trainer group and `replicas`
-    engine replicas (the sender is the group's rank 0). `dtype`: the engines' dtype;
-    `inplace`: the engines are torch backends that load packed versions in place (deltas)."""
+    engine replicas (the sender is the group's rank 0; with `sharded`, every rank). `dtype`:
+    the engines' dtype; `inplace`: the engines are torch backends that load packed versions
+    in place (deltas); `say`: where a sharded sync's one-line failure reports go."""
+    if isinstance(sync, CollectiveSync) and sync.sharded:
+        return ShardedTransport(serving, trainer, replicas, sync, dtype=dtype, say=say)
     if isinstance(sync, CollectiveSync):
         return CollectiveTransport(serving, trainer.workers[0], replicas, options=sync)
     return ObjectStoreTransport(serving, trainer, sync, dtype=dtype, inplace=inplace)

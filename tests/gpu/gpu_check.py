@@ -242,6 +242,99 @@ def _ipc_receiver(payload: bytes, q: Any) -> None:
         q.put({"error": repr(exc)})
 
 
+def _shard_sender(rank: int, ranks: int, state: dict[str, Any], bucket_mb: float,
+                  q: Any) -> None:
+    """One trainer rank of a sharded NCCL sync, on GPU `rank` (rl360.weights.shards)."""
+    import torch
+
+    from rl360.weights.shard_groups import ShardSender
+
+    try:
+        torch.cuda.set_device(rank)
+        held = {k: v.cuda() for k, v in state.items()}
+        sender = ShardSender(lambda: held, rank, ranks)
+        sender.layout("bfloat16", bucket_mb)
+        q.put({"rank": rank, "addr": sender.listen(1, "127.0.0.1", 2, 90.0)})
+        q.put({"rank": rank, "sent": sender.send(1, 1, "nccl", 90.0, 90.0, checksum=True)})
+        sender.close()
+    except Exception as exc:
+        q.put({"rank": rank, "error": repr(exc)})
+
+
+def _shard_receiver(plan: Any, addrs: dict[int, tuple[str, int]], device: int, q: Any) -> None:
+    """An engine replica's end of a sharded NCCL sync, on GPU `device`."""
+    import torch
+
+    from rl360.weights.plan import checksum_state
+    from rl360.weights.shard_groups import ShardReceiver
+
+    try:
+        torch.cuda.set_device(device)
+        rx = ShardReceiver()
+        rx.join(1, addrs, 1, 2, "nccl", 90.0)
+        got = rx.receive(plan, 90.0, checksum=True)
+        q.put({"sums": checksum_state({k: v.cpu() for k, v in got.items()})})
+        rx.close()
+    except Exception as exc:
+        q.put({"error": repr(exc)})
+
+
+def nccl_shards(state: dict[str, Any], bucket_mb: float, gpus: int) -> dict[str, Any]:
+    """Sharded senders over NCCL: min(2, GPUs - 1) trainer ranks, each on its GPU with the
+    tensors it holds, send their buckets at once to one replica on the last GPU, which checks
+    every bucket's checksum and assembles the bf16 weights; checksummed tensor by tensor."""
+    import multiprocessing as mp
+
+    import torch
+
+    from rl360.weights.plan import checksum_state, compare_checksums
+    from rl360.weights.shards import bucket_limit, combine, rank_part
+
+    if gpus < 2:
+        return {"ok": None, "not_run": f"{gpus} GPU(s): a sender and a replica need a GPU each "
+                                       "(NCCL refuses two ranks on one GPU)"}
+    ranks = min(2, gpus - 1)
+    limit = bucket_limit(bucket_mb)
+    plan = combine([rank_part(state, r, ranks, "bfloat16", limit)[0] for r in range(ranks)],
+                   limit)
+    want = checksum_state({k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                           for k, v in state.items()})
+    ctx = mp.get_context("spawn")
+    q, rq = ctx.Queue(), ctx.Queue()
+    senders = [ctx.Process(target=_shard_sender, args=(r, ranks, state, bucket_mb, q),
+                           daemon=True) for r in range(ranks)]
+    procs = list(senders)
+    try:
+        for p in senders:
+            p.start()
+        addrs: dict[int, tuple[str, int]] = {}
+        while len(addrs) < ranks:
+            msg = q.get(timeout=120)
+            if "error" in msg:
+                return {"ok": False, "error": msg["error"]}
+            addrs[msg["rank"]] = tuple(msg["addr"])
+        t0 = time.perf_counter()
+        receiver = ctx.Process(target=_shard_receiver, args=(plan, addrs, ranks, rq), daemon=True)
+        procs.append(receiver)
+        receiver.start()
+        got = rq.get(timeout=180)
+        secs = time.perf_counter() - t0
+        sent = [q.get(timeout=60) for _ in range(ranks)]
+        if "error" in got or any("error" in s for s in sent):
+            return {"ok": False, "error": got.get("error") or [s for s in sent if "error" in s]}
+        rep = compare_checksums(want, got["sums"], version=1, replica="shards")
+        return {"ok": rep.ok, "summary": rep.summary(), "ranks": ranks,
+                "buckets": sum(len(b) for b in plan.ranks), "bytes": plan.nbytes,
+                "seconds_with_join": secs}
+    except Exception as exc:
+        return {"ok": False, "error": repr(exc)}
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()  # our own child
+
+
 def nccl(args: argparse.Namespace) -> dict[str, Any]:
     import multiprocessing as mp
 
@@ -304,7 +397,9 @@ def nccl(args: argparse.Namespace) -> dict[str, Any]:
             child.join(timeout=30)
             if child.is_alive():
                 child.kill()  # our own child
-    res["ok"] = bool(res["ipc"]["ok"] and res["nccl"]["ok"] is not False)
+    res["shards"] = nccl_shards(state, args.bucket_mb, gpus)
+    res["ok"] = bool(res["ipc"]["ok"] and res["nccl"]["ok"] is not False
+                     and res["shards"]["ok"] is not False)
     return res
 
 
@@ -447,7 +542,8 @@ def main() -> int:
         return 0
     res = asyncio.run(parity(args)) if args.cmd == "parity" else nccl(args)
     Path(args.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps({k: v for k, v in res.items() if k in ("ok", "engine", "nccl", "ipc")}))
+    print(json.dumps({k: v for k, v in res.items()
+                      if k in ("ok", "engine", "nccl", "ipc", "shards")}))
     return 0 if res["ok"] else 1
 
 

@@ -2,7 +2,10 @@
 Ray) loses one part right after step 1 (`train.inject_faults`): an env actor, an engine
 replica, a session shard, the weight publisher. The run must finish its steps, and its ledger
 (<run dir>/ledger.jsonl, rl360.actors.run_ledger) must show no task occurrence lost and none
-trained twice; episodes re-run are allowed and reported. A run whose every sandbox fails to
+trained twice; episodes re-run are allowed and reported. With the sharded collective weight
+sync (2 fsdp ranks, 2 engine replicas), a killed replica and a stalled one: the run keeps
+training, the stalled one is named in one line within the sync's timeout and replaced, and the
+replacement rejoins the groups and takes the newest version. A run whose every sandbox fails to
 start ends with the circuit breaker's one line instead of hanging. (The driver's `kill -9` and
 `--resume` drill is tests/actors/test_train_e2e.py, which checks the same ledger.)"""
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -74,6 +78,45 @@ def test_a_killed_part_loses_no_task(tmp_path: Path, part: str) -> None:
     # the failures were transient: every episode they cut was re-run to a scored result, so
     # every group kept group_size samples
     assert acc["episodes_lost"] == 0, acc
+
+
+# the sharded collective weight sync between 2 fsdp ranks and 2 engine replicas
+COLLECTIVE = ["engine.replicas=2", "engine.num_cpus=0.25", "trainer.backend='fsdp'",
+              "trainer.workers=2", "trainer.num_cpus=0.25",
+              "train.weight_sync={transport='collective', sharded=true, bucket_mb=0.05, "
+              "timeout_min_s=8.0, timeout_factor=2.0}"]
+
+
+@pytest.mark.parametrize("part", ["engine", "engine_stall"])
+def test_collective_sync_heals_around_a_lost_replica(tmp_path: Path, part: str) -> None:
+    steps, at = 8, 2
+    cmd = fault_cmd(tmp_path, steps, f"train.inject_faults=['{part}@{at}']", *COLLECTIVE)
+    out = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True,
+                         timeout=570)
+    log = out.stdout[-3000:] + out.stderr[-5000:]
+    assert out.returncode == 0, log
+    rows = [r for r in metrics(tmp_path) if "reward_mean" in r]
+    assert rows[-1]["step"] == steps, log
+    acc = account(read_ledger(tmp_path / "faults" / "ledger.jsonl"), GROUP_SIZE)
+    print(f"collective {part}: lost {acc['lost']}, duplicated {acc['duplicated']}, episodes "
+          f"re-run {acc['episodes_rerun']}, episodes lost {acc['episodes_lost']}")
+    assert [f["part"] for f in acc["faults"]] == [part]
+    assert acc["lost"] == 0 and acc["duplicated"] == 0 and acc["episodes_lost"] == 0, acc
+    synced = [r for r in rows if "sync_epoch" in r]
+    assert synced[0]["sync_replicas"] == 2 and synced[0]["sync_epoch"] == 1
+    # the replacement joined a new epoch and took the newest version with the other replica
+    later = [r for r in synced if r["step"] > at]
+    assert later and later[-1]["sync_replicas"] == 2 and later[-1]["sync_epoch"] >= 3, synced
+    lines = [x for x in out.stderr.splitlines() if "did not take version" in x]
+    if part == "engine":
+        assert not lines, lines  # a dead replica is let go, not waited for
+        return
+    # the stall: one line naming the replica and the version, within the sync's timeout
+    assert len(lines) == 1, log
+    m = re.search(r"replica (\S+) did not take version (\d+) within ([\d.]+)s", lines[0])
+    assert m and int(m.group(2)) == at and "replacing it" in lines[0], lines[0]
+    stalled = next(r for r in rows if r["step"] == at)
+    assert float(m.group(3)) >= 8.0 and stalled["sync_s"] <= float(m.group(3)) + 30, stalled
 
 
 FAKE_BWRAP = """#!/bin/sh
