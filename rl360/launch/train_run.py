@@ -244,15 +244,15 @@ class TrainRun:
                     raise
                 print(f"rl360: {exc.cause}", file=sys.stderr)
                 return 1
-            except ray.exceptions.RayActorError as exc:
-                # the controller, the buffer or a trainer rank died: their state does not
-                # survive a restart, so the run ends here and resumes from its newest checkpoint
             except WeightSyncFailed as exc:  # the fault rules said stop: one line, and where
                 ckpt = latest_checkpoint(self.run_dir)
                 where = (f"continue from {ckpt} with --resume" if ckpt else
                          "no checkpoint yet: start again")
                 print(f"rl360: {exc}; {where}", file=sys.stderr)
                 return 1
+            except ray.exceptions.RayActorError as exc:
+                # the controller, the buffer or a trainer rank died: their state does not
+                # survive a restart, so the run ends here and resumes from its newest checkpoint
                 ckpt = latest_checkpoint(self.run_dir)
                 where = (f"continue from {ckpt} with --resume" if ckpt else
                          "no checkpoint yet: start again")
@@ -319,11 +319,11 @@ class TrainRun:
             t_train = time.monotonic() - t0 - t_wait
             self.version += 1
             sync_s = 0.0
+            for part in faults_before_sync(tr.inject_faults, step):  # drills: a hung part
+                self._fault(step, part, stack, "before the weight sync of step")
             if self.version % tr.sync_every == 0:
                 t1 = time.monotonic()
                 transport.publish(self.version)
-            for part in faults_before_sync(tr.inject_faults, step):  # drills: a hung part
-                self._fault(step, part, stack, "before the weight sync of step")
                 sync_s = time.monotonic() - t1
             assert self.traj_log is not None and self.evaluator is not None
             t_log0 = time.monotonic()
@@ -426,11 +426,11 @@ class TrainRun:
             if batch is not None:
                 return batch
             ray.get(actors.controller.status.remote())  # surface a dead controller
+            if heal is not None:
+                heal(self.version)
         return None
 
     def checkpoint(self, step: int, actors: TrainActors) -> Path:
-            if heal is not None:
-                heal(self.version)
         return save_checkpoint(self.run_dir, step, self.version, actors.trainer,
                                actors.controller, self.recipe.train.checkpoints.keep, self.ledger)
 
