@@ -50,6 +50,11 @@ The workload, read from the recipe (`--recipe`, default recipes/smollm2-tools.to
     LoraConfig (rank, alpha, dropout, target modules; the adapters alone train), without it every
     weight trains, as in the recipe; fp32 (bf16 autocast when `trainer.dtype` is bfloat16); torch
     threads `--threads` (2)
+  - not mapped: `train.filter_zero_variance` and `train.oversampling` (RL360 drops a group whose
+    rewards are all equal and samples another, so each step trains on groups with signal; TRL
+    1.16 has no such filter: such a group stays in the batch with zero advantage, its tokens in
+    the token mean; `zero_variance_frac` in metrics.jsonl is their share of the step), and
+    RL360's asynchrony (`train.max_staleness`): TRL samples, then trains, one after the other
 
 Per step it prints and appends to <out>/metrics.jsonl (the keys `rl360 plot` reads: step,
 elapsed_s = seconds since the bench started, imports, model load and TRL's set-up included,
@@ -156,16 +161,17 @@ def load_workload(recipe_path: str, model: str | None, overrides: list[str]) -> 
     try:
         model_dir = local if (local / "config.json").is_file() else resolve_model_path(name)
     except Exception as e:  # ModelNotFound and friends: one line, naming the model
-        raise BenchError(f"model {name!r}: {e} (make the warm start first: "
-                         f".venv/bin/rl360 sft {recipe_path})") from None
+        raise BenchError(f"{e} (make the warm start first: .venv/bin/rl360 sft {recipe_path})"
+                         ) from None
     spec = BUILTIN_TOOLS["bash"].spec
     tool_spec = {"type": spec.type, "function": {"name": spec.function.name,
                                                  "description": spec.function.description,
                                                  "parameters": spec.function.parameters}}
     from rl360.envs.harbor import SYSTEM_PROMPT
 
+    lora = trainer.lora if trainer.lora is not None and trainer.lora.enabled else None
     return Workload(recipe, Path(model_dir), tasks, params.get("system_prompt", SYSTEM_PROMPT),
-                    int(params.get("max_output_chars", 8000)), tool_spec, trainer.lora)
+                    int(params.get("max_output_chars", 8000)), tool_spec, lora)
 
 
 def first_turn(task: Task, work: Workload) -> list[dict[str, str]]:
@@ -200,6 +206,7 @@ class StepRow:
         d = {k: v for k, v in self.__dict__.items() if k != "logs"}
         for src, dst in (("completions/mean_length", "completion_tokens_mean"),
                          ("completions/clipped_ratio", "clipped_ratio"), ("loss", "loss"),
+                         ("frac_reward_zero_std", "zero_variance_frac"),
                          ("grad_norm", "grad_norm"), ("entropy", "entropy"),
                          ("learning_rate", "lr")):
             if src in self.logs:
@@ -491,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         f"clip {trainer_cfg.grad_clip:g}, {batch // micro} micro-batches of {micro}, beta "
         f"{loss.kl_coef:g}, loss_type dapo, scale_rewards {config.scale_rewards}, "
         f"{'bf16 autocast' if config.bf16 else 'fp32'}, seed {seed}")
+    if tr.filter_zero_variance:
+        say("  not mapped: train.filter_zero_variance (TRL 1.16 has no such filter: a group whose "
+            "rewards are all equal stays in the batch with zero advantage, its tokens in the "
+            "token mean)" + (" and train.oversampling (RL360 samples more groups to keep "
+                             f"{gpb} with signal a step)" if tr.oversampling else ""))
     say(f"  sandbox: bwrap per command at the task's work dir, {env_cfg.limits.timeout:g}s a "
         f"command, tool output clipped at {work.max_output_chars} chars; verifier: the task's "
         f"tests/test.sh, {args.workers} threads")
