@@ -6,9 +6,9 @@ runs x W^T + s (x A^T) B^T every step) against merging each adapter version into
 
 Workload: `--model` (default SmolLM2-135M-Instruct) in fp32 on our own Llama modules, the
 engine's runner (serve/engines/torch_model.LlamaRunner) over its slot KV cache: per batch size
-in `--rows`, the rows prefilled with 128-token prompts, then `--steps` decode steps timed (ms a
-step), once with plain projections and once with rank-`--rank` adapters (alpha 2 x rank) on
-q/k/v/o/gate/up/down; also a 4 x 256-token prefill. Per version: the low-rank path copies the
+in `--rows`, the rows prefilled with `--prompt`-token prompts (64), then `--steps` decode steps
+timed (ms a step), once with plain projections and once with rank-`--rank` adapters (alpha 2 x
+rank) on q/k/v/o/gate/up/down; also a 4 x `--prompt` prefill. Per version: the low-rank path copies the
 adapter tensors into its A and B; the merged path recomputes W0 + s B A for every target (W0
 kept: the adapted weights once more in memory). Median of `--runs` runs each (first run a
 warm-up), in CPU milliseconds of this process (`--clock wall`: wall). Last line: {"bench": "lora_engine", "decode_ms": {...}, "version_ms": {...}, ...}
@@ -40,11 +40,11 @@ def timed(fn: Any, runs: int) -> float:
     return statistics.median(xs)
 
 
-def decode_ms(runner: Any, rows: int, steps: int, runs: int) -> float:
-    prompt = [[(7 * r + i) % 1000 + 3 for i in range(128)] for r in range(rows)]
+def decode_ms(runner: Any, rows: int, steps: int, runs: int, length: int) -> float:
+    prompt = [[(7 * r + i) % 1000 + 3 for i in range(length)] for r in range(rows)]
     runner.kv.release()
     runner.forward(0, prompt, [0] * rows)
-    pos = [128]
+    pos = [length]
 
     def run() -> None:
         for _ in range(steps):
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens each row decodes after")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="CPU seconds of this process (default: what holds on a shared box) or "
                          "wall seconds")
@@ -102,20 +103,21 @@ def main() -> None:
     out: dict[str, dict[str, float]] = {}
     for rows in (int(x) for x in args.rows.split(",")):
         for name, runner in runners.items():
-            out.setdefault(name, {})[str(rows)] = decode_ms(runner, rows, args.steps, args.runs)
+            out.setdefault(name, {})[str(rows)] = decode_ms(runner, rows, args.steps, args.runs,
+                                                            args.prompt)
         p, lr = out["plain"][str(rows)], out["low-rank"][str(rows)]
         print(f"decode {rows:3d} rows: plain (= merged) {p:7.2f} ms a step, low-rank {lr:7.2f} "
               f"ms ({lr / p:.3f} x)", flush=True)
     prefill = {}
     for name, runner in runners.items():
-        prompt = [[(11 * r + i) % 1000 + 3 for i in range(256)] for r in range(4)]
+        prompt = [[(11 * r + i) % 1000 + 3 for i in range(args.prompt)] for r in range(4)]
 
         def run(runner: Any = runner, prompt: list[list[int]] = prompt) -> None:
             runner.kv.release()
             runner.forward(0, prompt, [0] * 4)
 
         prefill[name] = timed(run, args.runs) * 1e3
-    print(f"prefill 4 x 256: plain {prefill['plain']:.1f} ms, low-rank {prefill['low-rank']:.1f} "
+    print(f"prefill 4 x {args.prompt}: plain {prefill['plain']:.1f} ms, low-rank {prefill['low-rank']:.1f} "
           f"ms ({prefill['low-rank'] / prefill['plain']:.3f} x)")
 
     def load_low_rank() -> None:

@@ -8,8 +8,10 @@ checked here (the trainer refuses bad targets at start-up with the same message)
 
 Memory per trainer rank (activations not counted; fp32 master weights, AdamW's two moments):
 full fine-tuning holds 16 bytes a parameter (weights, gradients, moments); with adapters the
-frozen base holds 4 and the adapter 16 a parameter of its own. An engine replica holds the
-adapter beside the base (model.dtype), and a weight version carries the adapter alone.
+frozen base holds 4 and the adapter 16 a parameter of its own. A torch engine replica merges
+each adapter version into its weights and keeps the base of every adapted weight (a second copy
+of those weights, model.dtype; rl360.serve.engines.torch_adapter); vLLM and SGLang hold the
+adapter beside the base. A weight version carries the adapter alone.
 """
 
 from __future__ import annotations
@@ -107,12 +109,16 @@ def memory_lines(recipe: Recipe) -> list[str]:
     full = total * _TRAINER_BYTES["full"] / shard
     with_lora = (total * _TRAINER_BYTES["frozen"] + n_adapter * _TRAINER_BYTES["full"]) / shard
     dtype = _bytes_per_param(recipe.model.dtype)
+    adapted = sum(o * i for n, (o, i) in shapes.items() if n.rsplit(".", 1)[-1] in lora.targets)
+    engine_extra = (adapted + n_adapter if recipe.engine.backend == "torch" else n_adapter) * dtype
+    what = ("the adapted weights' base and the adapter" if recipe.engine.backend == "torch"
+            else "adapter")
     return [
         f"{head}: {n_adapter / 1e6:.2f}M parameters ({n_adapter / max(total, 1):.1%} of "
         f"{total / 1e6:.1f}M)",
         f"memory    trainer rank {_mb(with_lora)} of weights, gradients and AdamW state "
         f"(full fine-tuning {_mb(full)}; activations not counted); engine replica + "
-        f"{_mb(n_adapter * dtype)} of adapter beside {_mb(total * dtype)} of weights",
+        f"{_mb(engine_extra)} ({what}) beside {_mb(total * dtype)} of weights",
         f"versions  {_mb(n_adapter * dtype)} of adapter a weight version against "
         f"{_mb(total * dtype)} full ({total / max(n_adapter, 1):.1f}x fewer bytes)",
     ]

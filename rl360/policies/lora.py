@@ -199,9 +199,15 @@ def merged_state(state: Mapping[str, Tensor], scaling: float) -> dict[str, Tenso
         if a is None:
             out[k] = v
             continue
-        b = state[f"{mod}.lora_B.weight"]
-        out[k] = (v.float() + (b.float() @ a.float()) * scaling).to(v.dtype)
+        out[k] = merged_weight(v, a, state[f"{mod}.lora_B.weight"], scaling)
     return out
+
+
+def merged_weight(w: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """W + s * B @ A in fp32, cast back to W's dtype: the one definition of a merged weight
+    (the trainer's merged sync, the torch engine's adapter versions and `rl360 merge`'s give
+    the same bits for the same inputs)."""
+    return (w.float() + (b.float() @ a.float()) * scaling).to(w.dtype)
 
 
 def adapter_numel(spec: LoraSpec, shapes: Mapping[str, tuple[int, int]]) -> int:

@@ -40,16 +40,6 @@ class Recipe(Section):
                              "place; engine.core_process = true loads whole versions (set one "
                              "of them to false)")
         sync = self.train.weight_sync
-        if self.trainer.lora is not None and getattr(sync, "delta", False):
-            raise ValueError("train.weight_sync.delta = true: with trainer.lora a version is the "
-                             "adapter alone, sent whole (set delta = false)")
-        if self.trainer.lora is not None and isinstance(sync, CollectiveSync) and (
-                sync.backend != "gloo" or sync.layout != "auto"):
-            raise ValueError("train.weight_sync: adapter versions (trainer.lora) go through "
-                             "transport 'object_store', or 'collective' with backend 'gloo' and "
-                             f"layout 'auto' (got backend {sync.backend!r}, layout "
-                             f"{sync.layout!r})")
-        sync = self.train.weight_sync
         if self.trainer.lora is not None and self.engine.core_process:
             raise ValueError("engine.core_process = true takes whole weight versions; with "
                              "trainer.lora the versions are adapters, which the in-process "

@@ -22,7 +22,7 @@ step, no more. `sync_log` / the `sync_pause_max_s` stat record, per swap, the lo
 between two tokens of a row that ran across it (measured on the engine thread). `"drain"` stops
 admitting, waits until the running rows finish, then swaps (every sequence has one version).
 Either way the prefix cache is cleared. An adapter version (`trainer.lora`) swaps the same way:
-the base weights stay, the adapter's tensors go into place (rl360.serve.engines.torch_adapter). The logprob of each token is its log-probability under the distribution it
+each version is merged into the base weights it adapts (rl360.serve.engines.torch_adapter). The logprob of each token is its log-probability under the distribution it
 was sampled from (after temperature, top-k and top-p; the raw distribution for greedy).
 
 This module is the backend (the contract, set-up, health); the engine loop and its steps are
@@ -107,7 +107,7 @@ class TorchBackend(Scheduler):
         self.model = model
         self.tokenizer = tokenizer
         self.runner = LlamaRunner(model)
-        self.adapter = EngineAdapter(model)  # adapter versions (trainer.lora)
+        self.adapter = EngineAdapter(model)  # adapter versions (trainer.lora), merged
         self.prefix = PrefixCache(int(engine.prefix_cache_mb * 2**20))
         self._version = 0
         self._waiting = WaitQueue()
@@ -183,7 +183,8 @@ class TorchBackend(Scheduler):
         return await done
 
     async def weight_checksums(self, names: list[str], update: WeightUpdate) -> WeightChecksums:
-        return await asyncio.to_thread(held_checksums, self.model.state_dict(), names)
+        held = {**self.model.state_dict(), **self.adapter.tensors}  # + an adapter's A and B
+        return await asyncio.to_thread(held_checksums, held, names)
 
     async def pause(self) -> None:
         self._ensure_started()
