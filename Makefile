@@ -72,7 +72,7 @@ $(MEGATRON_STAMP): | venv
 	touch $(MEGATRON_STAMP)
 
 test-megatron: venv $(MEGATRON_STAMP)
-	PYTHONPATH=$(CURDIR)/$(MEGATRON_SITE) $(BIN)/python -m pytest -q tests/megatron
+	PYTHONPATH=$(CURDIR)/$(MEGATRON_SITE) $(BIN)/python -m pytest -q -rs tests/megatron
 
 # mergekit as an external baseline for bench/merge.py (LGPL: it only runs as a separate
 # program, from its own venv; nothing of it is imported or copied). torch first, the pinned CPU
@@ -154,7 +154,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP) sysdeps
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm
 
 lint: venv
 	$(BIN)/ruff check rl360 tests bench examples

@@ -58,3 +58,28 @@ def ray_cluster() -> Iterator[None]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+# CI (.ci/run sets RL360_CI=1) runs every tier this kind of machine can run: a test it skips
+# may only lack a GPU, a Docker engine, or be a named opt-in; any other skip fails the run
+CI_SKIPS = ("no GPU", "no Docker engine", "opt-in")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("RL360_CI") != "1":
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    bad = []
+    for rep in getattr(reporter, "stats", {}).get("skipped", []):
+        longrepr = rep.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if not reason.startswith(CI_SKIPS):
+            bad.append(f"{rep.nodeid}: {reason}")
+    if bad and reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", f"{len(bad)} skip(s) CI does not allow (only {', '.join(CI_SKIPS)})")
+        for line in bad:
+            reporter.write_line(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

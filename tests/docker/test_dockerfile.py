@@ -67,12 +67,12 @@ def test_other_installers_read_the_same_pins() -> None:
 def test_image_builds() -> None:
     docker = shutil.which("docker")
     if docker is None:
-        pytest.skip("no docker CLI here: building the image needs a Docker engine")
+        pytest.skip("no Docker engine: no docker CLI here")
     if subprocess.run([docker, "info"], capture_output=True, timeout=60, check=False).returncode:
-        pytest.skip("docker CLI present but no Docker engine answers (`docker info` failed)")
+        pytest.skip("no Docker engine: the docker CLI is here but `docker info` failed")
     if os.environ.get("RL360_DOCKER_BUILD") != "1":
-        pytest.skip("a Docker engine is here; set RL360_DOCKER_BUILD=1 to build the image "
-                    "(downloads the CUDA base and GBs of wheels)")
+        pytest.skip("opt-in: RL360_DOCKER_BUILD=1 builds the image (downloads the CUDA base "
+                    "and GBs of wheels)")
     out = subprocess.run([docker, "build", "-f", str(DOCKERFILE), "-t", "rl360:test", str(REPO)],
                          capture_output=True, text=True, timeout=7200, check=False)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -27,11 +27,12 @@ def _cuda() -> bool:
 
 
 HAS_CUDA = _cuda()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU here (the GPU tier runs on "
-                                "a GPU machine: bash tests/gpu/run.sh)")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no GPU: the GPU tier runs on a GPU "
+                                "machine (bash tests/gpu/run.sh)")
+# on a GPU machine the tier installs sglang (tests/gpu/run.sh); elsewhere there is no GPU
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
-                                  reason="sglang is not installed (pip install 'rl360[sglang]' "
-                                  "on a GPU machine)")
+                                  reason="no GPU: sglang is installed on a GPU machine "
+                                  "(pip install 'rl360[sglang]')")
 
 
 def run_check(*args: str, timeout_s: float = 900) -> tuple[int, str]:

@@ -27,7 +27,7 @@ def test_cuda_ipc_sync_arrives_intact(tmp_path: Path) -> None:
     assert res["ipc"]["ok"], res["ipc"]
 
 
-@pytest.mark.skipif(_gpus() < 2, reason=f"NCCL needs two GPUs for two ranks ({_gpus()} here)")
+@pytest.mark.skipif(_gpus() < 2, reason=f"no GPU: NCCL needs two GPUs for two ranks ({_gpus()} here)")
 def test_nccl_bucketed_broadcast_arrives_intact(tmp_path: Path) -> None:
     res = run_json(tmp_path / "nccl.json", "nccl")
     assert res["nccl"]["ok"], res["nccl"]

@@ -31,7 +31,7 @@ def traj(task: str, fam: str, ok: bool, status: str = "ok", calls: int = 1,
 def test_bootstrap_ci_brackets_the_mean_and_narrows_with_instances() -> None:
     est, lo, hi = bootstrap_ci([[1.0], [0.0]] * 8)
     assert est == 0.5 and lo < 0.5 < hi
-    est2, lo2, hi2 = bootstrap_ci([[1.0], [0.0]] * 128)
+    _est2, lo2, hi2 = bootstrap_ci([[1.0], [0.0]] * 128)
     assert hi2 - lo2 < (hi - lo) / 2
     assert bootstrap_ci([[1.0, 1.0]] * 5) == (1.0, 1.0, 1.0)
 

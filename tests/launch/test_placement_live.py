@@ -173,7 +173,8 @@ def test_roles_land_on_their_nodes_small_cluster() -> None:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("RL360_TEST_33_NODES") != "1",
-                    reason="33 raylets take ~70 s and ~1 GB; set RL360_TEST_33_NODES=1")
+                    reason="opt-in scale test: RL360_TEST_33_NODES=1 (33 raylets take ~70 s "
+                    "and ~1 GB)")
 def test_reference_33_node_layout_live() -> None:
     overrides = ["cluster.service.nodes=1", "cluster.train.nodes=8", "cluster.rollout.nodes=24",
                  "trainer.workers=64", "trainer.num_gpus=1", "trainer.num_cpus=0",

@@ -19,7 +19,7 @@ from rl360.types import Batch, SamplingParams
 
 TRAINER = {"gpus_key": "trainer.num_gpus", "dtype_key": "trainer.dtype"}
 ENGINE = {"gpus_key": "engine.num_gpus", "dtype_key": "model.dtype"}
-no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: needs a CUDA device")
 
 
 def test_no_gpus_is_the_cpu_whatever_is_visible() -> None:

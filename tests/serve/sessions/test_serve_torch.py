@@ -88,9 +88,9 @@ def test_completions_session_extends_its_prompt(app) -> None:  # type: ignore[no
     assert len(prompt2) > 0
 
 
+@pytest.mark.parametrize("app", [True], indirect=True, ids=["core-process"])
 def test_core_process_engines_take_the_shards_calls_over_their_channels(app) -> None:  # type: ignore[no-untyped-def]
-    if not app.core_process:
-        pytest.skip("the engine runs in its replica: no core channel (the core-process case)")
+    assert app.core_process
     engines = app.weight_status()["engines"]
     assert len(engines) == 2 and all(e["core_process"] and e["channel"] for e in engines.values())
     deadline = time.monotonic() + 30
