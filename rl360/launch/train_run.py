@@ -229,6 +229,9 @@ class TrainRun:
                 if self.ckpt is not None:
                     ray.get(actors.buffer.load_state.remote(
                         (self.ckpt / "buffer.msgpack").read_bytes()))
+                    # the trainer was built from the checkpoint's weights (or adapter); its
+                    # optimizer, scheduler, step and RNG state come back too
+                    actors.trainer.load(self.ckpt / "model")
                     transport.publish(self.version)
                     print(f"rl360: resumed from {self.ckpt} (step {self.step0}, policy version "
                           f"{self.version})", file=sys.stderr)
