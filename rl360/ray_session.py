@@ -19,6 +19,13 @@ from typing import Any
 log = logging.getLogger("rl360.cluster")
 
 LOCAL_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Serve's controller gives its HTTP proxy 5 s to answer a readiness check (10 s a health
+# check) and replaces it after 3 misses in a row, failing the handles that wait on it. On a
+# 2-core machine whose cores a trainer step and an engine fill (load average 5-17), the proxy
+# missed three 5 s checks while a run started and the run died with ActorDiedError; a local
+# cluster gives the checks a minute (defaults only: a value already set is kept).
+LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                   "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
 
 
 class StopFlag:
@@ -65,6 +72,9 @@ def ray_session(
     local = not address
     for k, v in LOCAL_ENV.items():
         if local or k == "RAY_USAGE_STATS_ENABLED":
+            os.environ.setdefault(k, v)
+    if local:  # the cluster's processes (Serve's controller among them) inherit these
+        for k, v in LOCAL_SERVE_ENV.items():
             os.environ.setdefault(k, v)
     saved = {k: os.environ.get(k) for k in (env_vars or {})} if local else {}
     kwargs: dict[str, Any] = {"namespace": namespace, "log_to_driver": True}
