@@ -30,6 +30,7 @@ from rl360.actors.buffer import RefBatch, to_samples
 from rl360.policies.reducers import global_denominators
 from rl360.policies.trainer_backends import build_trainer
 from rl360.policies.trainer_torch import TorchTrainer
+from rl360.ray_session import free_port
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
 from rl360.weights.sender import SenderCall, WeightSender
@@ -91,6 +92,13 @@ class TrainerWorker:
         self._store = dist.TCPStore(host, 0, self.world_size, is_master=True,
                                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         return host, int(self._store.port)
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where the planned collective weight sync's group meets (rl360.weights.transports):
+        this node's address and a port free on it now, for the weight group's own rendezvous
+        (not the trainer group's store, which `address` holds)."""
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
 
     def setup(
         self, config: TrainerSection, model_path: str, master: tuple[str, int], timeout_s: float,

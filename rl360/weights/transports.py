@@ -80,8 +80,8 @@ class CollectiveTransport:
     CollectiveSync) say.
 
     `sender` is an actor whose `weights(call)` runs a rl360.weights.sender.WeightSender call
-    (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths also use its `address()`
-    (a free port on its node, rl360.actors.trainer_group.TrainerWorker)."""
+    (the trainer's rank 0 worker, or a bench's stand-in); the GPU paths also use its
+    `weight_group_address()` (a free port on its node, rl360.actors.trainer_group.TrainerWorker)."""
 
     def __init__(self, serving: Any, sender: Any, replicas: int, host: str = "127.0.0.1",
                  options: CollectiveSync | None = None) -> None:
@@ -153,7 +153,7 @@ class CollectiveTransport:
                 "width": max((int(m.get("width", 1)) for m in members.values()), default=1)}
         if shared:
             return {**base, "backend": "ipc", "names": [n for n, _, _ in self.spec]}
-        host, port = ray.get(self.sender.address.remote())
+        host, port = ray.get(self.sender.weight_group_address.remote())
         world = 1 + sum(int(m.get("width", 1)) for m in members.values())
         group = f"{o.group_name}-{port}"
         payload = {**base, "backend": o.backend, "host": host, "port": port, "world": world,
