@@ -38,7 +38,7 @@ def test_prediction_is_within_30_percent_of_the_demo_step_time(tmp_path: Path) -
     half = len(rows) // 2
     first = tmp_path / "first.jsonl"
     first.write_text("".join(json.dumps(r) + "\n" for r in rows[:half]))
-    # the metrics come from a synchronous run of the demo (the demo itself is async now) at 32
+    # the metrics come from a synchronous run of the demo recipe (which is asynchronous) at 32
     # groups a batch (tests/launch/data/README.md): the estimate is for the recipe they ran
     recipe = load_recipe(DEMO, ["train.max_staleness=0", "train.groups_per_batch=32"])
     est = estimate(recipe, figures_for(recipe, str(first)))
