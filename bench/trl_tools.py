@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_turns": env_cfg.max_turns,
         "threads": args.threads,
         "seed": seed,
-        "metrics": str(metrics.relative_to(ROOT)),
+        "metrics": str(metrics.relative_to(ROOT) if metrics.is_relative_to(ROOT) else metrics),
         "load_end": round(os.getloadavg()[0], 2),
         "trl": trl.__version__,
         "transformers": transformers.__version__,
