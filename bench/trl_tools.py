@@ -264,6 +264,11 @@ def make_callback(verifier: Verifier, t_start: float, args: argparse.Namespace,
     return StepLog()
 
 
+def shown(path: Path) -> Path:
+    """`path` relative to the repository where it lies inside it, else as given."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def rl360_prompts(rows: list[dict[str, Any]], tokenizer: Any) -> list[list[int]]:
     """Every row's first prompt as RL360's renderer makes it (what its engine is sent)."""
     from rl360.policies.chat import ChatRenderer
@@ -476,8 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(q.numel() for q in model.parameters())
     n_train = sum(q.numel() for q in model.parameters() if q.requires_grad)
     families = sorted({str(t.data.get("domain")) for t in work.tasks})
-    rel = (work.model_dir.relative_to(ROOT) if work.model_dir.is_relative_to(ROOT)
-           else work.model_dir)
+    rel = shown(work.model_dir)
     say(f"trl_tools: TRL {trl.__version__} GRPOTrainer (environment_factory, multi-turn), "
         f"transformers {transformers.__version__}, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads, {'cuda' if torch.cuda.is_available() else 'cpu'}), "
@@ -547,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_turns": env_cfg.max_turns,
         "threads": args.threads,
         "seed": seed,
-        "metrics": str(metrics.relative_to(ROOT) if metrics.is_relative_to(ROOT) else metrics),
+        "metrics": str(shown(metrics)),
         "load_end": round(os.getloadavg()[0], 2),
         "trl": trl.__version__,
         "transformers": transformers.__version__,
