@@ -59,6 +59,10 @@ class FakeSGLang:
     def __post_init__(self) -> None:
         self._resume.set()
 
+    def generating(self) -> bool:
+        """One of the client's /generate requests is running (not its start-up health probe)."""
+        return any(not rid.startswith("health-") for rid in self.running)
+
     def called(self, path: str) -> list[dict[str, Any]]:
         return [body for p, body in self.calls if p == path]
 

@@ -71,7 +71,7 @@ async def test_adapter_versions_load_by_name_and_unload_when_unused(tmp_path: Pa
     be = _backend(tmp_path, fake.url)
     try:
         base = asyncio.create_task(be.generate([1], SamplingParams(max_tokens=30)))
-        await _until(lambda: fake.running)
+        await _until(fake.generating)  # the base request, not the health probe
         assert await be.update_weights(1, _adapter(1)) is True
         v1 = await be.generate([1], SamplingParams(max_tokens=2))
         long_v1 = asyncio.create_task(be.generate([1], SamplingParams(max_tokens=40)))

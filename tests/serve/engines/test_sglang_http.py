@@ -40,11 +40,6 @@ def _update(version: int) -> CollectiveUpdate:
                             join=("127.0.0.1", 1, 1, 2, "nccl"))
 
 
-def _generating(fake: FakeSGLang) -> bool:
-    """One of our /generate requests is running (not the client's start-up health probe)."""
-    return any(not rid.startswith("health-") for rid in fake.running)
-
-
 async def _until(cond: Any) -> None:
     for _ in range(2000):
         if cond():
@@ -82,7 +77,7 @@ async def test_update_keeps_in_flight_requests(tmp_path: Path, fake: FakeSGLang,
         _backend(tmp_path, fake.url)  # retract is the default
     try:
         task = asyncio.create_task(be.generate([1], SamplingParams(max_tokens=100)))
-        await _until(lambda: _generating(fake))
+        await _until(fake.generating)
         await asyncio.sleep(0.05)  # a few tokens under the old weights
         assert await be.update_weights(1, _update(1)) is True
         gen = await task
@@ -107,7 +102,7 @@ async def test_drain_waits_for_running_requests(tmp_path: Path, fake: FakeSGLang
     be = _backend(tmp_path, fake.url, pause_mode="drain")
     try:
         task = asyncio.create_task(be.generate([1], SamplingParams(max_tokens=20)))
-        await _until(lambda: _generating(fake))
+        await _until(fake.generating)
         assert await be.update_weights(1, _update(1)) is True
         gen = await task
         after = await be.generate([1], SamplingParams(max_tokens=2))
@@ -123,7 +118,7 @@ async def test_abort_mode_ends_in_flight_requests(tmp_path: Path, fake: FakeSGLa
     be = _backend(tmp_path, fake.url, pause_mode="abort")
     try:
         task = asyncio.create_task(be.generate([1], SamplingParams(max_tokens=500)))
-        await _until(lambda: _generating(fake))
+        await _until(fake.generating)
         assert await be.update_weights(1, _update(1)) is True
         gen = await task
     finally:
@@ -136,7 +131,7 @@ async def test_cancelled_request_is_aborted_in_sglang(tmp_path: Path, fake: Fake
     be = _backend(tmp_path, fake.url)
     try:
         task = asyncio.create_task(be.generate([1], SamplingParams(max_tokens=1000)))
-        await _until(lambda: _generating(fake))
+        await _until(fake.generating)
         rid = next(iter(fake.running))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
