@@ -136,6 +136,26 @@ def read_all(paths: list[Path]) -> None:
                     h.get_tensor(k).clone()  # get_tensor may map the file lazily: copy it in
 
 
+def io_floor(inputs: list[Path], out_bytes: int, scratch: Path) -> float:
+    """Seconds to read every input file once and write `out_bytes` once: the I/O a merge cannot
+    avoid, done the cheapest way (8 MB unbuffered reads into one buffer, 8 MB writes to the page
+    cache, the file removed after)."""
+    buf = memoryview(bytearray(8 << 20))
+    t = time.perf_counter()
+    for p in inputs:
+        for f in sorted(p.glob("*.safetensors")):
+            with open(f, "rb", buffering=0) as h:
+                while h.readinto(buf):
+                    pass
+    with open(scratch, "wb", buffering=0) as w:
+        left = out_bytes
+        while left > 0:
+            left -= w.write(buf[: min(left, len(buf))])
+    secs = time.perf_counter() - t
+    scratch.unlink()
+    return secs
+
+
 def cpu_s(who: int = resource.RUSAGE_SELF) -> float:
     """CPU seconds (user + system, all threads) used so far: on a shared box this moves far
     less with the load than wall time does."""
@@ -311,6 +331,8 @@ def main() -> None:
         base_mbs: list[float] = []
         mbs: dict[str, list[float]] = {m: [] for m in methods}
         ratios: dict[str, list[float]] = {m: [] for m in methods}
+        floor_ratios: dict[str, list[float]] = {m: [] for m in methods}
+        floor_mbs: dict[str, list[float]] = {m: [] for m in methods}
         cpu_ratios: dict[str, list[float]] = {m: [] for m in methods}
         growth: dict[str, int] = {}
         for _ in range(args.runs):
@@ -325,13 +347,22 @@ def main() -> None:
                 ratios[name].append(total / 1e6 / secs / baseline)
                 cpu_ratios[name].append(base_cpu / cpu)
                 growth[name] = max(growth.get(name, 0), grew)
-                shutil.rmtree(tmp / f"out-{name}")
+                out_dir = tmp / f"out-{name}"
+                out_bytes = sum(f.stat().st_size for f in out_dir.glob("*.safetensors"))
+                shutil.rmtree(out_dir)
+                floor = io_floor(inputs, out_bytes, tmp / "floor.bin")
+                floor_mbs[name].append(total / 1e6 / floor)
+                floor_ratios[name].append(floor / secs)
         print(f"baseline (safe_open read only): {spread(base_mbs)} MB/s")
         for name in methods:
             r, rc = ratios[name], cpu_ratios[name]
             print(f"{name}: {spread(mbs[name])} MB/s, ratio {statistics.median(r):.2f} "
                   f"({min(r):.2f}-{max(r):.2f}); CPU-time ratio {statistics.median(rc):.2f} "
                   f"({min(rc):.2f}-{max(rc):.2f}); peak RSS +{growth[name] / 1e6:.0f} MB")  # fmt: skip
+            fr = floor_ratios[name]
+            print(f"  {name} vs its I/O floor (read the inputs once + write its output once, "
+                  f"{spread(floor_mbs[name])} MB/s): {statistics.median(fr):.2f} "
+                  f"({min(fr):.2f}-{max(fr):.2f})")  # fmt: skip
         print(f"load after: {Path('/proc/loadavg').read_text().strip()}")
         mk = vs_mergekit(args.mergekit, inputs, tmp, args.runs) if args.vs_mergekit else None
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -341,6 +372,8 @@ def main() -> None:
             "baseline": round(statistics.median(base_mbs), 1),
             "ratio": round(statistics.median(ratios["ram"]), 3), "method": "ram",
             "ratios": {m: round(statistics.median(v), 3) for m, v in ratios.items()},
+            "floor_ratios": {m: round(statistics.median(v), 3) for m, v in floor_ratios.items()},
+            "floor_mb_s": {m: round(statistics.median(v), 1) for m, v in floor_mbs.items()},
             "ratio_spread": {m: [round(min(v), 3), round(max(v), 3)] for m, v in ratios.items()},
             "cpu_ratios": {m: round(statistics.median(v), 3) for m, v in cpu_ratios.items()},
             "mb_s": {m: round(v, 1) for m, v in med.items()}, "runs": args.runs,

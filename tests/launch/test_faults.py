@@ -105,8 +105,10 @@ def test_collective_sync_heals_around_a_lost_replica(tmp_path: Path, part: str) 
     synced = [r for r in rows if "sync_epoch" in r]
     assert synced[0]["sync_replicas"] == 2 and synced[0]["sync_epoch"] == 1
     # the replacement joined a new epoch and took the newest version with the other replica
+    # (one new epoch when Serve's replacement registered before the next sync, else one
+    # without the lost replica and one more with its replacement)
     later = [r for r in synced if r["step"] > at]
-    assert later and later[-1]["sync_replicas"] == 2 and later[-1]["sync_epoch"] >= 3, synced
+    assert later and later[-1]["sync_replicas"] == 2 and later[-1]["sync_epoch"] >= 2, synced
     lines = [x for x in out.stderr.splitlines() if "did not take version" in x]
     if part == "engine":
         assert not lines, lines  # a dead replica is let go, not waited for
