@@ -11,8 +11,10 @@ temp dir. Each of `--runs` rounds times (1) the baseline: `safetensors.safe_open
 one pass), task arithmetic (bf16 output) and TIES (paper scope: 3 statistics passes + the
 merge, bf16 output). MB/s is input checkpoint bytes over wall time, files warm in the page
 cache; a ratio is ours over the baseline of the same round, by wall time and by CPU time (user
-+ system of all threads, which a loaded shared box disturbs less); figures are the median and
-the spread (min-max) of the rounds. With --vs-mergekit, mergekit (0.1.5, run as an external
++ system of all threads, which a loaded shared box disturbs less); (3) after each merge, its
+I/O floor: every input file read once and the method's output bytes written once, the cheapest
+way (`io_floor`), and the floor's time over the merge's; figures are the median and the spread
+(min-max) of the rounds. With --vs-mergekit, mergekit (0.1.5, run as an external
 program from its own venv: `make bench-mergekit`) does linear / task_arithmetic / ties / ram
 on the same checkpoints (fp32 compute, fp32 output on both sides so rounding to bf16 cannot
 hide a difference) and the bench prints both wall times and the max abs difference of the
