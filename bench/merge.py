@@ -305,6 +305,7 @@ def main() -> None:
     from rl360.merge import recipe as R
 
     torch.set_num_threads(args.threads)
+    args.mergekit = args.mergekit.resolve()  # mergekit runs with the temp dir as its cwd
     if args.vs_mergekit and not args.mergekit.is_file():
         raise SystemExit(f"--vs-mergekit: {args.mergekit} not found (make bench-mergekit)")
 
