@@ -27,7 +27,7 @@ LOCAL_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 # With the HAProxy ingress, a stopping replica stays reachable for Serve's draining period
 # (30 s) so that load balancers can take it out; the local HAProxy reloads without it in
 # under a second (0.3-0.5 s measured), so the 30 s only delayed every stop: `rl360 serve` with
-# `serve.ingress = "haproxy"` took 35 s to stop on SIGTERM, 7 s with 2 s here.
+# `serve.ingress = "haproxy"` took 35 s to stop on SIGTERM, 6 s with 2 s here.
 LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
                    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
                    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
