@@ -11,25 +11,23 @@ import sys
 
 import pytest
 
+from rl360.ray_session import LOCAL_SERVE_ENV
+
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 
 CODE = """
 import json, os, ray
-from rl360.ray_session import ray_session
+from rl360.ray_session import LOCAL_SERVE_ENV, ray_session
 with ray_session(num_cpus=1, dashboard=False):
     @ray.remote(num_cpus=0)
     def env():
-        return {k: os.environ.get(k) for k in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S",
-                                                "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S",
-                                                "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")}
+        return {k: os.environ.get(k) for k in LOCAL_SERVE_ENV}
     print(json.dumps(ray.get(env.remote())))
 """
 
 
 def _worker_env(**extra: str) -> dict[str, str | None]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAY_SERVE_PROXY_", "RAY_SERVE_DIRECT_INGRESS_"))
-           and k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in LOCAL_SERVE_ENV and k != "RAY_ADDRESS"}
     out = subprocess.run([sys.executable, "-c", CODE], env={**env, **extra}, capture_output=True,
                          text=True, timeout=150, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
