@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,11 @@ from rl360.weights.publisher import WeightPublisher
 if TYPE_CHECKING:
     from rl360.launch.roles import Placement
 
+log = logging.getLogger("rl360.serve")
+# with engine.core_process, how long start-up waits for every engine core's channel (a replica
+# opens it once it serves the published weights and reports it within a poll: ~2 s after
+# RUNNING for the tiny model)
+CHANNELS_WAIT_S = 60.0
 
 # Serve runs a replica's user code and a handle's router on event loops of their own threads
 # by default; every request then crosses threads twice per hop. The session server, the engine
@@ -90,7 +96,8 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
                   deployed: Callable[[ServingHandles], None] | None = None) -> ServingHandles:
     """Engines (on `placement`'s rollout options), shards, publisher and session servers
     (service options); without a placement, Ray's default scheduler places them. `clock`
-    gets marks: serve_start (controller and proxy up), serve_app (every replica RUNNING).
+    gets marks: serve_start (controller and proxy up), serve_app (every replica RUNNING and,
+    with engine.core_process, every engine core's channel open).
     `deployed` is called with the handles once the app is deployed, before its replicas run:
     calls through the engine handle from then on wait for a replica instead of failing."""
     import ray
@@ -168,6 +175,9 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         if deployed is not None:
             deployed(handles)
         _wait_running(s.app_name, timeout_s - (time.monotonic() - t0))
+        if e.core_process:
+            _wait_channels(publisher, engine_opts.get("num_replicas"),
+                           min(CHANNELS_WAIT_S, timeout_s - (time.monotonic() - t0)))
         ray.get([sh.stats.remote() for sh in shards])  # surface constructor errors here
         if clock is not None:
             clock.mark("serve_app")
@@ -183,6 +193,28 @@ def http_options(s: ServeSection) -> dict[str, Any]:
     answers). Engine replicas get no HTTP traffic: every call to them is bounded by its caller
     (ENGINE_CALL_TIMEOUT_S)."""
     return {"host": s.host, "port": s.port, "request_timeout_s": HTTP_REQUEST_TIMEOUT_S}
+
+
+def _wait_channels(publisher: Any, replicas: Any, timeout_s: float) -> None:
+    """With engine.core_process, until every replica's core channel is listed: a session goes
+    to the rendezvous choice among the listed channels, so a replica listed late would get no
+    session at first and later take over some sessions of the others (their prefixes lost).
+    Past `timeout_s` the app serves anyway (the sessions of a core without a channel go
+    through Serve) and says which are missing."""
+    if not isinstance(replicas, int) or replicas < 1:
+        return
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    listed: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        listed = ray.get(publisher.channels.remote())
+        if len(listed) >= replicas:
+            return
+        time.sleep(0.2)
+    log.warning("engine.core_process: %d of %d engine cores have an open channel after %.0fs; "
+                "the other replicas' sessions go through Serve until theirs opens",
+                len(listed), replicas, timeout_s)
 
 
 def _wait_running(app_name: str, timeout_s: float) -> None:

@@ -51,6 +51,16 @@ class EngineReplica:
         self._publisher_name = publisher  # (name, namespace) of the WeightPublisher actor
         self._follow: asyncio.Task[None] | None = None
         self._caught_up: asyncio.Event | None = None
+        try:  # Serve runs the constructor on the replica's event loop: catch up (and open the
+            asyncio.get_running_loop()  # core's channel) now, not at the first call or probe
+        except RuntimeError:
+            pass  # constructed outside a loop (a test): the first call starts it
+        else:
+            try:
+                self._ensure_following()
+            except Exception as e:  # the publisher not reachable yet: the next call retries
+                log.warning("engine replica %s: weight sync not started yet: %r",
+                            self.replica_id, e)
         log.info("engine replica %s up (backend=%s)", self.replica_id, backend)
 
     def _ensure_following(self) -> None:
