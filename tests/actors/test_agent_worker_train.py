@@ -26,7 +26,8 @@ STEPS = 5
 def train(recipe: str, out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "rl360", "train", recipe]
     for s in (f"run.out_dir={json.dumps(str(out))}", "run.name='agent'", f"serve.port={free_port()}",
-              f"train.steps={STEPS}", "train.checkpoints.every=0", "train.wandb='offline'"):
+              f"train.steps={STEPS}", "train.groups_per_batch=1", "train.checkpoints.every=0",
+              "train.wandb='offline'"):
         cmd += ["--set", s]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "WANDB_MODE": "offline"}
