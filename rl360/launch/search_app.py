@@ -56,7 +56,7 @@ def start_search(recipe: Recipe, placement: Placement | None = None,
     from ray import serve
 
     from rl360.launch.roles import LocalPlacement
-    from rl360.launch.serve_app import SAME_LOOP_ENV, _wait_running, with_env
+    from rl360.launch.serve_app import DRAIN_POLL_S, SAME_LOOP_ENV, _wait_running, with_env
     from rl360.serve.search.deployment import SearchDeployment
 
     placement = placement or LocalPlacement(recipe)
@@ -67,6 +67,7 @@ def start_search(recipe: Recipe, placement: Placement | None = None,
         num_replicas=s.replicas,
         max_ongoing_requests=s.max_ongoing_requests,
         ray_actor_options=with_env(placement.service_options(s.num_cpus), SAME_LOOP_ENV),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         logging_config={"enable_access_log": False},
     ).bind(str(Path(s.index).resolve()), max_batch_size=s.max_batch_size,
            batch_wait_ms=s.batch_wait_ms, default_k=s.default_k, max_k=s.max_k,

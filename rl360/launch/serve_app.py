@@ -35,6 +35,10 @@ log = logging.getLogger("rl360.serve")
 # RUNNING for the tiny model)
 CHANNELS_WAIT_S = 60.0
 
+# how often a stopping replica looks for requests still in flight; it stops once there are
+# none (Serve's 2 s default, slept before the first look, was most of a stop)
+DRAIN_POLL_S = 0.2
+
 # Serve runs a replica's user code and a handle's router on event loops of their own threads
 # by default; every request then crosses threads twice per hop. The session server, the engine
 # replicas and the shards (whose handle reaches the engines) do little Python work per request
@@ -148,6 +152,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         **engine_opts,
         request_router_config=RequestRouterConfig(request_router_class=SessionAffinityRouter),
         health_check_period_s=5,
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         logging_config={"enable_access_log": False},  # one line per token call is noise
     ).bind(engine_for(recipe), recipe.model, recipe.run.seed, (publisher_name, ns))
     server = serve.deployment(
@@ -156,6 +161,7 @@ def start_serving(recipe: Recipe, placement: Placement | None = None,
         num_replicas=s.server_replicas,
         max_ongoing_requests=1000,
         ray_actor_options=with_env(service, SAME_LOOP_ENV),
+        graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
         logging_config={"enable_access_log": False},
     ).bind(names, ns, recipe.run.name, s, engine)
     handles = ServingHandles(
