@@ -107,7 +107,8 @@ class StateSender:
         """Run a transport's weight sender call (rl360.weights.sender) on a WeightSender over
         this state dict: one per packer's settings (each transport here has its own), and the
         time a gloo send takes."""
-        from rl360.weights.sender import Pack, Send, WeightSender
+        from rl360.weights.sender import WeightSender
+        from rl360.weights.sender_calls import Pack, Send
 
         if isinstance(call, Pack):
             key = json.dumps(call.packer, sort_keys=True)

@@ -59,7 +59,7 @@ def one_world(serving: Any, ranks: int, args: argparse.Namespace, version: int
     from rl360.policies.loading import resolve_model_path
     from rl360.recipe import CollectiveSync, TrainerSection
     from rl360.types import Batch
-    from rl360.weights.sender import Gather, Rss
+    from rl360.weights.sender_calls import Gather, Rss
     from rl360.weights.shard_transport import ShardedTransport
     from rl360.weights.sizing import rank_peak
     from rl360.weights.transports import CollectiveTransport

@@ -28,15 +28,15 @@ import ray
 
 from rl360.actors.buffer import RefBatch, to_samples
 from rl360.policies.reducers import global_denominators
-from rl360.policies.trainer_backends import build_trainer
-from rl360.policies.trainer_torch import TorchTrainer
 from rl360.ray_session import free_port
 from rl360.recipe import TrainerSection
 from rl360.types import Batch, TrainSample
-from rl360.weights.sender import SenderCall, WeightSender
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from rl360.weights.sender import WeightSender
+    from rl360.weights.sender_calls import SenderCall
 
 log = logging.getLogger("rl360.trainer_group")
 
@@ -124,6 +124,8 @@ class TrainerWorker:
                 pg_backend, store=store, rank=self.rank, world_size=self.world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
+        from rl360.policies.trainer_backends import build_trainer
+
         self.trainer = build_trainer(config, model_path, temperature=temperature, seed=seed,
                                      sharded_sync=sharded_sync)
         n = sum(p.numel() for p in self.trainer.params)
@@ -160,6 +162,8 @@ class TrainerWorker:
         """The weights to send under HF names. A torch trainer's CPU parameters go as they are
         (views): whoever sends copies them once anyway (into the object store, or into a
         socket), so the snapshot copy of state_dict_for_sync would be a second one."""
+        from rl360.policies.trainer_torch import TorchTrainer
+
         t = self.trainer
         # exactly TorchTrainer: subclasses (FSDPTrainer) hold sharded parameters; with
         # adapters the weights to send are merged ones (state_dict_for_sync)
@@ -173,6 +177,8 @@ class TrainerWorker:
         (rl360.weights.sender; rank 0 is the sender). With trainer.lora the sender sends
         adapter versions: the adapter's tensors alone (rl360.weights.adapters)."""
         if self.weight_sender is None:
+            from rl360.weights.sender import WeightSender
+
             lora = getattr(self.trainer, "lora", None)
             if lora is not None:
                 adapter = self.trainer.adapter_for_sync
@@ -190,6 +196,8 @@ class TrainerWorker:
         held = getattr(self.trainer, "held_weights", None)
         if held is not None:
             return held()
+        from rl360.policies.trainer_torch import TorchTrainer
+
         if type(self.trainer) is not TorchTrainer:
             raise ValueError(f"{type(self.trainer).__name__} cannot send the weights it holds "
                              "(train.weight_sync.sharded needs trainer.backend fsdp or torch)")

@@ -51,7 +51,7 @@ from rl360.policies.loading import resolve_model_path
 from rl360.ray_session import STOP
 from rl360.recipe import CollectiveSync, Recipe
 from rl360.types import Task
-from rl360.weights.sender import sender_env
+from rl360.weights.sender_calls import sender_env
 from rl360.weights.shard_transport import WeightSyncFailed
 from rl360.weights.transports import WeightTransport, build_transport
 

@@ -20,139 +20,46 @@ With `trainer.lora` the sender is in adapter mode (`adapter`: the adapter's rank
 targets): its state is the adapter's tensors, `Pack` puts an adapter version
 (rl360.weights.adapters) and the gloo collective broadcasts the adapter.
 
-A bench or a test stands in for a trainer rank by holding a WeightSender over a state dict.
-`sender_env` is the environment the sender's process starts with.
+The calls are defined in rl360.weights.sender_calls (torch-free: the driver and the transports
+build them), with `sender_env`, the environment the sender's process starts with. A bench or a
+test stands in for a trainer rank by holding a WeightSender over a state dict.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from rl360.recipe import ObjectStoreSync, WeightSync
 from rl360.weights.adapters import describe, pack_adapter, put_adapter
 from rl360.weights.gloo import GlooGroup, tensor_spec
 from rl360.weights.nccl import GroupSender, gpu_uuid
 from rl360.weights.packing import WeightPacker, make_sender, put_packet
+from rl360.weights.sender_calls import (
+    Checksums,
+    Describe,
+    Gather,
+    GpuUuid,
+    Ipc,
+    OpenGroup,
+    Pack,
+    ReleaseIpc,
+    Rss,
+    Send,
+    SenderCall,
+    ShardChecksums,
+    ShardLayout,
+    ShardListen,
+    ShardSend,
+    Spec,
+)
 from rl360.weights.shard_groups import ShardSender, current_rss, peak_rss, reset_peak_rss
-from rl360.weights.slots import SlotWriter, writer_env, writes_slots
+from rl360.weights.slots import SlotWriter
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 State = Callable[[], Mapping[str, "Tensor"]]
-
-
-class Pack(msgspec.Struct, tag="pack"):
-    """Put `version` into the object store (or a weight slot) and announce it to `publisher`
-    (the WeightPublisher handle; None: only put it). `packer`: the transport's settings, the
-    first call's kept (rl360.weights.packing.make_sender)."""
-
-    version: int
-    packer: dict[str, Any]
-    publisher: Any = None
-
-
-class Spec(msgspec.Struct, tag="spec"):
-    """The (name, shape, dtype) of every tensor sent, in order."""
-
-
-class OpenGroup(msgspec.Struct, tag="open_group"):
-    """Join a collective group as its rank 0: gloo with flat per-dtype buffers when
-    `group_name` is empty, else a named group (NCCL, or gloo with a planned layout)."""
-
-    host: str
-    port: int
-    world: int
-    backend: str = "gloo"
-    group_name: str = ""
-
-
-class Send(msgspec.Struct, tag="send"):
-    """Broadcast the weights to the group: all at once (gloo) or by `buckets` (named group)."""
-
-    buckets: list[Any] | None = None
-    layout: str = "flat"
-
-
-class GpuUuid(msgspec.Struct, tag="gpu_uuid"):
-    """The sender's GPU ("" without one)."""
-
-
-class Ipc(msgspec.Struct, tag="ipc"):
-    """The weights on the sender's GPU as CUDA IPC handles, once per tensor-parallel rank."""
-
-    ranks: int
-
-
-class ReleaseIpc(msgspec.Struct, tag="release_ipc"):
-    """Every engine copied the shared tensors: let them go."""
-
-
-class Describe(msgspec.Struct, tag="describe"):
-    """{"adapter": {rank, alpha, targets, checksum}} in adapter mode, else {}."""
-
-
-class ShardLayout(msgspec.Struct, tag="shard_layout"):
-    """This rank's part of a sharded sync's plan: its pieces of the weights, cast to `dtype`,
-    in buckets of at most `bucket_mb` (rl360.weights.shards.RankPart)."""
-
-    dtype: str | None
-    bucket_mb: float
-
-
-class ShardListen(msgspec.Struct, tag="shard_listen"):
-    """Open the rendezvous of epoch `epoch`'s group (this rank + `world` - 1 replicas);
-    returns (host, port)."""
-
-    epoch: int
-    world: int
-    timeout_s: float
-
-
-class ShardSend(msgspec.Struct, tag="shard_send"):
-    """Broadcast this rank's buckets of the current weights as `version` over epoch `epoch`'s
-    group (formed first if new, within `form_timeout_s`; each bucket within `timeout_s`)."""
-
-    epoch: int
-    version: int
-    backend: str
-    form_timeout_s: float
-    timeout_s: float
-    checksum: bool = True
-
-
-class ShardChecksums(msgspec.Struct, tag="shard_checksums"):
-    """This rank's parts of the per-tensor checksums of what it sends (the checksum option of
-    a sharded sync; rl360.weights.shards.full_checksums adds them up)."""
-
-
-class Gather(msgspec.Struct, tag="gather"):
-    """Every rank at once: gather the full weights into rank 0's copy (a trainer that keeps
-    none, for the full-gather path); returns rank 0's bytes."""
-
-
-class Rss(msgspec.Struct, tag="rss"):
-    """This process's resident bytes and their peak since the last reset ({"rss", "peak"});
-    `reset`: start a new peak here (what a sharded send measures of itself; benches ask it of
-    the other paths)."""
-
-    reset: bool = False
-
-
-class Checksums(msgspec.Struct, tag="checksums"):
-    """The sender's checksums, per name up to `limits[name]` elements, cast to `dtype`."""
-
-    limits: dict[str, int | None]
-    dtype: str | None
-
-
-SenderCall = (Pack | Spec | OpenGroup | Send | GpuUuid | Ipc | ReleaseIpc | Checksums | Describe
-              | ShardLayout | ShardListen | ShardSend | ShardChecksums | Gather | Rss)
 
 
 class WeightSender:
@@ -283,14 +190,6 @@ class WeightSender:
         if self._group is None:
             self._group = GroupSender(lambda: dict(self.snapshot()))
         return self._group
-
-
-def sender_env(sync: WeightSync, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Environment variables for the process that sends weights by `sync` (trainer rank 0):
-    when it writes weight slots, its large copies use streaming stores (slots.writer_env)."""
-    writes = isinstance(sync, ObjectStoreSync) and writes_slots(sync.slots, sync.zero_copy,
-                                                                sync.delta)
-    return writer_env(environ) if writes else {}
 
 
 def _node_ip() -> str:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rl360.recipe import CollectiveSync
-from rl360.weights.sender import ShardChecksums, ShardLayout, ShardListen, ShardSend
+from rl360.weights.sender_calls import ShardChecksums, ShardLayout, ShardListen, ShardSend
 
 log = logging.getLogger("rl360.weights")
 

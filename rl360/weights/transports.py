@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from rl360.ray_session import free_port
 from rl360.recipe import CollectiveSync, ObjectStoreSync, WeightSync
 from rl360.weights.plan import compare_checksums, plan_buckets
-from rl360.weights.sender import (
+from rl360.weights.sender_calls import (
     Checksums,
     Describe,
     GpuUuid,

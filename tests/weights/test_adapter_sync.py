@@ -24,7 +24,8 @@ from rl360.weights.adapters import (
     unpack_adapter,
 )
 from rl360.weights.payloads import AdapterUpdate
-from rl360.weights.sender import Describe, Spec, WeightSender
+from rl360.weights.sender import WeightSender
+from rl360.weights.sender_calls import Describe, Spec
 
 TOL = 1e-5
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [40, 41], list(range(60, 90))]

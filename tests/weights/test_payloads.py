@@ -25,7 +25,8 @@ from rl360.weights.payloads import (
 )
 from rl360.weights.plan import checksum_state
 from rl360.weights.receiver import WeightReceiver
-from rl360.weights.sender import Checksums, Send, Spec, WeightSender, sender_env
+from rl360.weights.sender import WeightSender
+from rl360.weights.sender_calls import Checksums, Send, Spec, sender_env
 from rl360.weights.slots import writer_env
 
 KINDS = [TensorUpdate, FullUpdate, SlotUpdate, DeltaUpdate, CollectiveUpdate, IpcUpdate,

@@ -24,7 +24,7 @@ def test_sharded_sync_serves_what_a_full_gather_serves(ray_cluster, tiny_dir: Pa
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import CollectiveSync, TrainerSection
     from rl360.types import Batch
-    from rl360.weights.sender import Gather
+    from rl360.weights.sender_calls import Gather
     from rl360.weights.shard_transport import ShardedTransport
     from rl360.weights.transports import CollectiveTransport
 

@@ -17,7 +17,7 @@ def test_gloo_sync_with_checksums(ray_cluster, tiny_dir: Path) -> None:  # type:
 
     from rl360.actors.trainer_group import TrainerGroup
     from rl360.recipe import CollectiveSync, TrainerSection
-    from rl360.weights.sender import Spec
+    from rl360.weights.sender_calls import Spec
     from rl360.weights.transports import CollectiveTransport
 
     with serving(["engine.replicas=1"]) as handles:
