@@ -4,8 +4,6 @@ AutoTokenizer builds, without importing torch (a session shard's start-up)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from rl360.policies.chat import ChatRenderer
 from rl360.policies.loading import load_tokenizer, resolve_model_path
 from rl360.types import FunctionCall, FunctionSpec, Message, ToolCall, ToolSpec
+from tests.fresh import last_line
 
 CHATS = [
     [Message(role="system", content="be brief"), Message(role="user", content="héllo <x> 12+3")],
@@ -84,6 +83,4 @@ def test_a_session_shard_starts_without_torch() -> None:
         "SessionShard(ModelSection(path='tiny'), ServeSection(), 'm', object())\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert last_line(code) == "False"
