@@ -206,7 +206,7 @@ def _wait_channels(publisher: Any, replicas: Any, timeout_s: float) -> None:
     to the rendezvous choice among the listed channels, so a replica listed late would get no
     session at first and later take over some sessions of the others (their prefixes lost).
     Past `timeout_s` the app serves anyway (the sessions of a core without a channel go
-    through Serve) and says which are missing."""
+    through Serve) and logs how many cores have one."""
     if not isinstance(replicas, int) or replicas < 1:
         return
     import ray
